@@ -1,0 +1,3 @@
+import betterproto2
+
+default_message_pool = betterproto2.MessagePool()

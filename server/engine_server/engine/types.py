@@ -1,0 +1,165 @@
+"""The engine's public vocabulary: what goes into the engine core and what comes out.
+
+NOTE: plain dataclasses only (no torch, no protobuf) so they cross the process boundary
+by pickle and the API layer can build them without importing torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    """Why a completion ended."""
+
+    STOP = "stop"  # EOS, a stop token id, or (frontend) a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # aborted by a client, a disconnect, a deadline or shutdown
+    ERROR = "error"  # the engine failed while the request was running
+
+
+class RequestError(ValueError):
+    """A request that the engine refuses before admission; the message names the field."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field_name = field_name
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full; the caller should retry later."""
+
+
+class EngineDead(RuntimeError):
+    """The engine core failed or is shutting down; no request can be served."""
+
+
+def _check_finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise RequestError(name, f"must be a finite number, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling and stopping knobs that the engine core applies on the logits.
+
+    Defaults follow vLLM/OpenAI. Stop *strings* are not here: they are matched on text,
+    which lives on the frontend side of the engine boundary.
+    """
+
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 = disabled
+    min_p: float = 0.0  # [0, 1]
+    repetition_penalty: float = 1.0  # > 0, 1 = off (applies to prompt and output tokens)
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    seed: int | None = None  # None = nondeterministic
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to the logit)
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens exist
+    max_tokens: int | None = None  # None = until max_model_len
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = none; k >= 0: sampled token's logprob + top-k alternatives
+    prompt_logprobs: int | None = None  # same, for every prompt token after the first
+
+    def __post_init__(self) -> None:
+        # NOTE: vocabulary-dependent checks (token ids < vocab size, max_tokens vs
+        # max_model_len) need the model config and live in the engine's validator.
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            _check_finite(name, getattr(self, name))
+        if self.n < 1:
+            raise RequestError("n", f"must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise RequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError("top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise RequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise RequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise RequestError(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        for token_id, bias in self.logit_bias:
+            _check_finite(f"logit_bias[{token_id}]", bias)
+            if not -100 <= bias <= 100:
+                raise RequestError(f"logit_bias[{token_id}]", f"must be in [-100, 100], got {bias}")
+        if self.min_tokens < 0:
+            raise RequestError("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            if self.max_tokens < 1:
+                raise RequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+            if self.min_tokens > self.max_tokens:
+                raise RequestError("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise RequestError(name, f"must be in [0, 20], got {value}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One request as the engine core sees it: token ids in, n completions out."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log-probability of one token, with the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one step produced for one completion (sequence) of a request.
+
+    The engine emits at most one delta per completion per step. `prompt_logprobs`
+    and the prompt counts ride on the first delta of index 0.
+    """
+
+    request_id: str
+    index: int  # which of the n completions
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # aligned with new_token_ids when asked
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None  # the EOS/stop token that ended it, if any
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first prompt token has none
+    error: str | None = None  # set with FinishReason.ERROR
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A cheap snapshot for load reporting."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int = 0
+    num_prefix_cache_hit_tokens: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        if self.num_total_blocks == 0:
+            return 0.0
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
