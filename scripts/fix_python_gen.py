@@ -1,9 +1,9 @@
 """Makes the generated Python importable as `engine_proto` instead of a bare top-level `engine` package.
 
-protoc names Python modules after the .proto paths (`engine/v1/x.proto` -> `engine.v1.x_pb2`), which would claim
-the top-level name `engine` for every user. We nest the output under `engine_proto` and rewrite the absolute
-imports protoc, mypy-protobuf, grpclib and grpcio emit. betterproto2 output uses relative imports and is left
-alone. Service names in strings ("/engine.v1.EngineService/...") are not module references and stay as they are.
+protoc names Python modules after the .proto paths (`engine/v1/x.proto` -> `engine.v1.x_pb2`), which would
+claim the top-level name `engine` for every user. We nest the output under `engine_proto` and rewrite the
+absolute imports protoc, mypy-protobuf, grpclib and grpcio emit. betterproto2 output uses relative imports and
+is left alone. Service names in strings ("/engine.v1.EngineService/...") are not module references and stay.
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ def latest_release() -> Path:
 
 
 def run_buf(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BUF), *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [str(BUF), *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 @pytest.fixture
@@ -59,7 +61,9 @@ def test_additive_change_is_accepted(contract_copy: Path) -> None:
     edit(
         contract_copy / "proto/engine/v1/generate.proto",
         "  uint32 cached_prompt_tokens = 3;\n",
-        "  uint32 cached_prompt_tokens = 3;\n  // A new field, added compatibly.\n  uint32 new_counter = 4;\n",
+        "  uint32 cached_prompt_tokens = 3;\n"
+        "  // A new field, added compatibly.\n"
+        "  uint32 new_counter = 4;\n",
     )
     result = run_buf("breaking", "--against", str(latest_release()), cwd=contract_copy)
     assert result.returncode == 0, result.stdout + result.stderr

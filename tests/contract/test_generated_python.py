@@ -53,4 +53,5 @@ def test_optional_fields_distinguish_unset_from_zero() -> None:
     params.temperature = 0.0
     assert params.HasField("temperature")  # 0 means greedy, not "use the default"
     parsed = generate_pb2.SamplingParams.FromString(params.SerializeToString())
-    assert parsed.HasField("temperature") and parsed.temperature == 0.0
+    assert parsed.HasField("temperature")
+    assert parsed.temperature == 0.0
