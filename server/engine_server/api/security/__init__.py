@@ -1,0 +1,36 @@
+"""Security and protection layer of the gRPC server: TLS/mTLS, API key, message size, HTTP/2 abuse limits.
+
+Interface (what the server assembly calls; everything is keyword-only after the first argument):
+
+    from engine_server.api.security import SecurityConfig, H2Policy, build_server
+
+    config = SecurityConfig(
+        tls_cert_file=..., tls_key_file=..., tls_client_ca_file=None,   # str paths or None
+        api_key=None,                          # str or None (no auth); see auth.resolve_api_key()
+        auth_exempt_services=(HEALTH_SERVICE,), # + REFLECTION_SERVICES to let grpcurl list without a key
+        max_receive_message_size=4 << 20,      # bytes
+        keepalive_time_s=60.0, keepalive_timeout_s=20.0,
+        h2=H2Policy(max_concurrent_streams=512, ...),
+    )                                          # raises ValueError with a one-line message on bad input
+    server = build_server(handlers, config)    # grpclib Server subclass (h2_guard.GuardedServer) with the
+                                               # API-key check, message-size limit and h2 guard installed
+    await server.start(host, port, ssl=config.server_ssl_context())  # None when TLS is off
+    server.guard_stats                         # h2_guard.GuardStats: GOAWAYs by reason, refused streams
+
+Building blocks (usable on their own):
+    tls.build_server_ssl_context(*, cert_file, key_file, client_ca_file=None) -> ssl.SSLContext
+        TLS >= 1.2, ALPN "h2"; with client_ca_file, client certificates are REQUIRED and verified.
+    tls.build_client_ssl_context(*, ca_file, cert_file=None, key_file=None) -> ssl.SSLContext  (tests, SDKs)
+    auth.install_api_key_check(server, api_key, *, exempt_services=(HEALTH_SERVICE,)) -> None
+        Every call must carry `authorization: Bearer <key>` or `x-api-key: <key>`, compared in constant time;
+        otherwise UNAUTHENTICATED. api_key=None installs nothing.
+    auth.resolve_api_key(*, api_key=None, api_key_file=None, environ=os.environ) -> str | None
+        Flag, then file (trailing newline stripped), then $ENGINE_API_KEY.
+    limits.install_message_size_limit(server, max_receive_message_size) -> None
+        A request message whose length prefix exceeds the limit -> RESOURCE_EXHAUSTED before its body is
+        buffered; the connection and the server keep serving.
+    h2_guard.GuardedServer(handlers, *, policy=H2Policy(), **grpclib Server kwargs)
+        PING flood / rapid reset / control-frame floods -> GOAWAY(ENHANCE_YOUR_CALM) + close; see h2_guard.py.
+"""
+
+from __future__ import annotations
