@@ -34,3 +34,39 @@ Building blocks (usable on their own):
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from grpclib._typing import IServable
+
+from engine_server.api.security.auth import install_api_key_check, resolve_api_key
+from engine_server.api.security.config import HEALTH_SERVICE, REFLECTION_SERVICES, H2Policy, SecurityConfig
+from engine_server.api.security.h2_guard import GuardedServer, GuardStats
+from engine_server.api.security.limits import install_message_size_limit
+
+__all__ = [
+    "HEALTH_SERVICE",
+    "REFLECTION_SERVICES",
+    "GuardStats",
+    "GuardedServer",
+    "H2Policy",
+    "SecurityConfig",
+    "build_server",
+    "resolve_api_key",
+]
+
+
+def build_server(
+    handlers: Collection[IServable], config: SecurityConfig, **server_kwargs: Any
+) -> GuardedServer:
+    """A grpclib server for `handlers` with every protection of `config` installed.
+
+    `server_kwargs` go to grpclib's Server (codec, status_details_codec); call it inside the event loop.
+    The API-key check is installed first so unauthenticated calls reach no other RecvRequest listener;
+    listeners the caller adds afterwards run after both.
+    """
+    server = GuardedServer(handlers, policy=config.h2, config=config.grpclib_configuration(), **server_kwargs)
+    install_api_key_check(server, config.api_key, exempt_services=config.auth_exempt_services)
+    install_message_size_limit(server, config.max_receive_message_size)
+    return server

@@ -96,7 +96,7 @@ class SecurityConfig:
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{name}: no such file: {path}")
         if self.api_key is not None:
-            _validate_api_key(self.api_key)
+            validate_api_key(self.api_key)
         for service in self.auth_exempt_services:
             if not service or "/" in service:
                 raise ValueError(f"auth_exempt_services: expected a full service name, got {service!r}")
@@ -138,7 +138,7 @@ class SecurityConfig:
         )
 
 
-def _validate_api_key(api_key: str) -> None:
+def validate_api_key(api_key: str) -> None:
     # The key travels in a header: printable ASCII without spaces, and long enough to not be guessable.
     if not api_key:
         raise ValueError("api_key must not be empty")

@@ -1,0 +1,112 @@
+"""API-key authentication: one grpclib RecvRequest listener, constant-time comparison.
+
+A RecvRequest listener runs inside grpclib's request handler before the servicer method; a GRPCError raised
+there becomes the call's status (trailers-only response), so the servicer never runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+from collections.abc import Collection, Mapping
+from pathlib import Path
+
+from grpclib.const import Status
+from grpclib.events import RecvRequest, listen
+from grpclib.exceptions import GRPCError
+from grpclib.server import Server
+
+from engine_server.api.security.config import HEALTH_SERVICE, validate_api_key
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "ENGINE_API_KEY"
+_BEARER = "bearer "
+
+
+def _digest(value: bytes) -> bytes:
+    # NOTE: comparing fixed-length digests keeps compare_digest from leaking the key's length.
+    return hashlib.sha256(value).digest()
+
+
+def presented_key(metadata: Mapping[str, str | bytes]) -> str | None:
+    """The key a call presents: `authorization: Bearer <key>` (scheme case-insensitive), else `x-api-key`."""
+    authorization = metadata.get("authorization")
+    if isinstance(authorization, str) and authorization[: len(_BEARER)].lower() == _BEARER:
+        return authorization[len(_BEARER) :].strip()
+    api_key = metadata.get("x-api-key")
+    if isinstance(api_key, str):
+        return api_key.strip()
+    return None
+
+
+class ApiKeyCheck:
+    """The listener; holds only the key's digest."""
+
+    def __init__(self, api_key: str, *, exempt_services: Collection[str]) -> None:
+        validate_api_key(api_key)
+        self._key_digest = _digest(api_key.encode("ascii"))
+        self._exempt_services = frozenset(exempt_services)
+        self.num_rejected = 0
+
+    def is_exempt(self, method_name: str) -> bool:
+        # method_name is the :path, "/package.Service/Method".
+        service = method_name.lstrip("/").partition("/")[0]
+        return service in self._exempt_services
+
+    def is_valid(self, key: str | None) -> bool:
+        presented = _digest(key.encode("utf-8", "surrogateescape")) if key is not None else b""
+        # Always run the comparison, even without a key, so timing reveals nothing.
+        return hmac.compare_digest(presented, self._key_digest) and key is not None
+
+    async def __call__(self, event: RecvRequest) -> None:
+        if self.is_exempt(event.method_name):
+            return
+        if self.is_valid(presented_key(event.metadata)):
+            return
+        self.num_rejected += 1
+        peer = event.peer.addr()
+        log.info("rejected call to %s from %s: missing or invalid API key", event.method_name, peer)
+        raise GRPCError(Status.UNAUTHENTICATED, "missing or invalid API key")
+
+
+def install_api_key_check(
+    server: Server, api_key: str | None, *, exempt_services: Collection[str] = (HEALTH_SERVICE,)
+) -> ApiKeyCheck | None:
+    """Require the key on every call except to `exempt_services`; None installs nothing.
+
+    Install it before other RecvRequest listeners (grpclib runs them in order) so unauthenticated calls
+    reach none of them.
+    """
+    if api_key is None:
+        return None
+    check = ApiKeyCheck(api_key, exempt_services=exempt_services)
+    listen(server, RecvRequest, check)
+    return check
+
+
+def resolve_api_key(
+    *,
+    api_key: str | None = None,
+    api_key_file: str | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> str | None:
+    """The key from the flag, else the file (surrounding whitespace stripped), else $ENGINE_API_KEY.
+
+    Raises ValueError when both the flag and the file are given or the file cannot be read.
+    """
+    if api_key is not None and api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        try:
+            key = Path(api_key_file).read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read API key file {api_key_file}: {exc}") from exc
+        if not key:
+            raise ValueError(f"API key file {api_key_file} is empty")
+        return key
+    if api_key is not None:
+        return api_key
+    return environ.get(API_KEY_ENV) or None

@@ -1,0 +1,290 @@
+"""HTTP/2 abuse limits for grpclib: PING floods, rapid reset (CVE-2023-44487), control-frame floods.
+
+grpclib acknowledges every PING, starts a handler task for every HEADERS frame and has no per-connection
+policy. GuardedServer swaps in a protocol that screens each batch of h2 events (one `data_received`) before
+grpclib sees it:
+
+1) PING: a PING is a strike when it comes less than `min_ping_interval_s` after the previous one while the
+   server sent nothing in between (grpc-core / grpc-go policy); more than `max_ping_strikes` -> GOAWAY.
+2) Client RST_STREAM: a token bucket (`reset_burst`, `reset_rate_per_s`); empty -> GOAWAY. A stream opened
+   and reset in the same batch is dropped before grpclib creates its handler, so it never reaches the engine.
+3) Handlers of reset streams still unwinding count towards concurrency (as in Go's fix): past 2x
+   `max_concurrent_streams` running handlers, new streams get RST_STREAM(REFUSED_STREAM) and cost a reset
+   token.
+4) SETTINGS, PRIORITY, unknown frames and WINDOW_UPDATEs not paid for by DATA we sent: a token bucket
+   (`control_frame_burst`, `control_frame_rate_per_s`); empty -> GOAWAY.
+A GOAWAY here is ENHANCE_YOUR_CALM with the reason as debug data; the connection is then closed (its calls
+are cancelled, which aborts their engine requests). Other connections are unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from grpclib._typing import IServable
+from grpclib.protocol import AbstractHandler, EventsProcessor, H2Protocol, Stream
+from grpclib.server import Server
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.errors import ErrorCodes
+from h2.events import (
+    Event,
+    PingReceived,
+    PriorityUpdated,
+    RemoteSettingsChanged,
+    RequestReceived,
+    StreamReset,
+    UnknownFrameReceived,
+    WindowUpdated,
+)
+from h2.exceptions import ProtocolError
+from h2.settings import SettingCodes
+
+from engine_server.api.security.config import H2Policy
+
+log = logging.getLogger(__name__)
+
+# WINDOW_UPDATEs a well-behaved client may send per DATA frame we send (one for the stream, one for the
+# connection; grpclib's own client sends both for every frame it reads).
+_WINDOW_UPDATES_PER_DATA_FRAME = 2
+_CONTROL_EVENTS = (RemoteSettingsChanged, PriorityUpdated, WindowUpdated, UnknownFrameReceived)
+
+
+@dataclass(slots=True)
+class GuardStats:
+    """Counters of one server, for metrics and tests."""
+
+    goaways: dict[str, int] = field(default_factory=dict)  # reason -> connections closed
+    num_refused_streams: int = 0
+    num_dropped_streams: int = 0  # opened and reset in one batch: never dispatched
+
+    def count_goaway(self, reason: str) -> None:
+        self.goaways[reason] = self.goaways.get(reason, 0) + 1
+
+
+class TokenBucket:
+    __slots__ = ("_burst", "_last", "_rate", "_tokens")
+
+    def __init__(self, *, burst: float, rate_per_s: float, now: float) -> None:
+        self._burst = burst
+        self._rate = rate_per_s
+        self._tokens = burst
+        self._last = now
+
+    def take(self, now: float) -> bool:
+        self._tokens = min(self._burst, self._tokens + (now - self._last) * self._rate)
+        self._last = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+    def credit(self, num_tokens: float) -> None:
+        self._tokens = min(self._burst, self._tokens + num_tokens)
+
+
+class GuardedEventsProcessor(EventsProcessor):
+    """grpclib's processor, plus release of streams whose handler task was cancelled before it started.
+
+    grpclib releases a stream in the `finally` of its handler coroutine; a task cancelled before its first
+    step never runs that coroutine, so without this the stream (and its unacknowledged flow-control window)
+    would stay registered until the connection closes.
+    """
+
+    def process_stream_reset(self, event: StreamReset) -> None:
+        stream = self.streams.get(event.stream_id)
+        tasks: dict[Stream, asyncio.Task[None]] = getattr(self.handler, "_tasks", {})
+        task = tasks.get(stream) if stream is not None else None
+        super().process_stream_reset(event)
+        if task is not None and stream is not None:
+            task.add_done_callback(partial(self._release_if_orphaned, event.stream_id, stream))
+
+    def _release_if_orphaned(self, stream_id: int, stream: Stream, _task: asyncio.Task[None]) -> None:
+        if self.streams.get(stream_id) is not stream:
+            return  # the handler ran and released it
+        del self.streams[stream_id]
+        self.connection.stream_close_waiter.set()
+        if not self.connection.is_closing():
+            self.connection.ack(stream_id, stream.buffer.unacked_size())
+
+
+class GuardedH2Protocol(H2Protocol):
+    """grpclib's H2Protocol with the per-connection limits of the module docstring."""
+
+    def __init__(
+        self,
+        handler: AbstractHandler,
+        config: Any,
+        h2_config: H2Configuration,
+        *,
+        policy: H2Policy,
+        stats: GuardStats,
+    ) -> None:
+        super().__init__(handler, config, h2_config)
+        self._policy = policy
+        self._stats = stats
+        self._is_closed = False
+        self._num_sends = 0  # HEADERS + DATA frames sent; a send resets the PING strikes
+        self._sends_at_last_ping = 0
+        self._last_ping_at: float | None = None
+        self._num_ping_strikes = 0
+        now = time.monotonic()
+        self._resets = TokenBucket(burst=policy.reset_burst, rate_per_s=policy.reset_rate_per_s, now=now)
+        self._control = TokenBucket(
+            burst=policy.control_frame_burst, rate_per_s=policy.control_frame_rate_per_s, now=now
+        )
+
+    @property
+    def _h2(self) -> H2Connection:
+        h2_conn: H2Connection = self.connection._connection
+        return h2_conn
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.processor = GuardedEventsProcessor(self.handler, self.connection)
+        self._h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: self._policy.max_concurrent_streams})
+        self.connection.flush()
+        self._wrap_send_hooks()
+
+    def _wrap_send_hooks(self) -> None:
+        # grpclib calls these on every HEADERS / DATA frame it sends; instance attributes shadow the methods.
+        connection = self.connection
+        on_headers: Callable[[], None] = connection.headers_send_process
+        on_data: Callable[[], None] = connection.data_send_process
+
+        def headers_sent() -> None:
+            self._num_sends += 1
+            on_headers()
+
+        def data_sent() -> None:
+            self._num_sends += 1
+            self._control.credit(_WINDOW_UPDATES_PER_DATA_FRAME)
+            on_data()
+
+        connection.headers_send_process = headers_sent  # type: ignore[method-assign]
+        connection.data_send_process = data_sent  # type: ignore[method-assign]
+
+    def data_received(self, data: bytes) -> None:
+        if self._is_closed:
+            return
+        try:
+            events = self.connection.feed(data)
+        except ProtocolError as exc:
+            log.debug("HTTP/2 protocol error from %s: %s", self._peer(), exc)
+            # Unlike grpclib, send the GOAWAY h2 prepared before closing.
+            self._close("protocol error", flush=True)
+            return
+        kept = self._screen(events)
+        if kept is None:
+            return
+        self.connection.flush()
+        for event in kept:
+            self.processor.process(event)
+        self.connection.flush()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._is_closed = True
+        super().connection_lost(exc)
+
+    def _screen(self, events: list[Event]) -> list[Event] | None:
+        """The events grpclib should see, or None when the connection was closed for abuse."""
+        now = time.monotonic()
+        reset_ids = {e.stream_id for e in events if isinstance(e, StreamReset) and e.remote_reset}
+        dropped_ids: set[int] = set()
+        kept: list[Event] = []
+        for event in events:
+            if isinstance(event, PingReceived):
+                if not self._ping_allowed(now):
+                    self._goaway("too_many_pings")
+                    return None
+                continue  # h2 already queued the ACK; grpclib does nothing more
+            if isinstance(event, RequestReceived):
+                if event.stream_id in reset_ids:
+                    # 2) opened and cancelled before we looked: no handler, no engine request.
+                    dropped_ids.add(event.stream_id)
+                    self._stats.num_dropped_streams += 1
+                    continue
+                if len(self.processor.streams) >= 2 * self._policy.max_concurrent_streams:
+                    self._refuse(event.stream_id)
+                    if not self._resets.take(now):
+                        self._goaway("too_many_refused_streams")
+                        return None
+                    continue
+            elif isinstance(event, StreamReset) and event.remote_reset:
+                if not self._resets.take(now):
+                    self._goaway("rapid_reset")
+                    return None
+                if event.stream_id in dropped_ids:
+                    continue
+            elif isinstance(event, _CONTROL_EVENTS):
+                if not self._control.take(now):
+                    self._goaway("control_frame_flood")
+                    return None
+                if not isinstance(event, RemoteSettingsChanged | WindowUpdated):
+                    continue  # grpclib ignores PRIORITY, and raises NotImplementedError on unknown frames
+            kept.append(event)
+        return kept
+
+    def _ping_allowed(self, now: float) -> bool:
+        if self._num_sends != self._sends_at_last_ping:
+            self._num_ping_strikes = 0
+        elif self._last_ping_at is not None and now - self._last_ping_at < self._policy.min_ping_interval_s:
+            self._num_ping_strikes += 1
+        self._last_ping_at = now
+        self._sends_at_last_ping = self._num_sends
+        return self._num_ping_strikes <= self._policy.max_ping_strikes
+
+    def _refuse(self, stream_id: int) -> None:
+        self._stats.num_refused_streams += 1
+        try:
+            self._h2.reset_stream(stream_id, error_code=ErrorCodes.REFUSED_STREAM)
+        except ProtocolError:
+            log.debug("could not refuse stream %d", stream_id, exc_info=True)
+
+    def _goaway(self, reason: str) -> None:
+        self._stats.count_goaway(reason)
+        log.warning("closing HTTP/2 connection from %s: %s (GOAWAY ENHANCE_YOUR_CALM)", self._peer(), reason)
+        h2_conn = self._h2
+        # Drop what h2 queued for this batch (thousands of PING ACKs in a flood): only the GOAWAY goes out.
+        h2_conn.clear_outbound_data_buffer()
+        try:
+            h2_conn.close_connection(error_code=ErrorCodes.ENHANCE_YOUR_CALM, additional_data=reason.encode())
+        except ProtocolError:
+            log.debug("GOAWAY not sent: connection already closing", exc_info=True)
+        self._close(reason, flush=True)
+
+    def _close(self, reason: str, *, flush: bool) -> None:
+        self._is_closed = True
+        if flush and not self.connection.is_closing():
+            self.connection.flush()
+        # Closes the transport after its buffer drains and cancels every handler of this connection.
+        self.processor.close(reason)
+
+    def _peer(self) -> object:
+        if self.connection.is_closing():
+            return None
+        return self.connection.get_peer().addr()
+
+
+class GuardedServer(Server):
+    """grpclib's Server whose connections are GuardedH2Protocols; `guard_stats` counts what they did."""
+
+    def __init__(
+        self, handlers: Collection[IServable], *, policy: H2Policy | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(handlers, **kwargs)
+        self.policy = policy if policy is not None else H2Policy()
+        self.guard_stats = GuardStats()
+
+    def _protocol_factory(self) -> H2Protocol:
+        # Let grpclib build (and register) the handler, then rewrap it in our protocol.
+        base = super()._protocol_factory()
+        return GuardedH2Protocol(
+            base.handler, base.config, base.h2_config, policy=self.policy, stats=self.guard_stats
+        )
