@@ -1,0 +1,58 @@
+"""The slice of `AsyncEngine` this service uses, as a Protocol: the real handle and test fakes both fit it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from engine_server.engine.types import EngineStats
+from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest
+
+if TYPE_CHECKING:
+    from engine_server.engine.loader import ModelInfo
+
+
+class OutputStream(Protocol):
+    """What `generate` returns: the request's outputs; `aclose()` aborts an unfinished request."""
+
+    def __aiter__(self) -> AsyncIterator[GenerateOutput]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class EncodingLike(Protocol):
+    @property
+    def token_ids(self) -> list[int]: ...
+
+
+class TokenizerLike(Protocol):
+    @property
+    def path(self) -> Path: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> EncodingLike: ...
+
+
+class EngineHandle(Protocol):
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
+
+    @property
+    def state(self) -> EngineState: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def generate(self, request: GenerateRequest) -> OutputStream: ...
+
+    async def abort(self, request_ids: Sequence[str]) -> list[str]: ...
+
+    async def embed(self, inputs: list[list[int]], *, normalize: bool) -> list[list[float]]: ...

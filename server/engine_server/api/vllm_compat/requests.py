@@ -1,0 +1,102 @@
+"""vllm.grpc.engine.GenerateRequest (smg-grpc-proto `_pb2`) -> our GenerateRequest.
+
+Proto3 leaves unset scalars at zero; like vLLM's own servicer we read 0 as "default" where 0 is not a
+meaningful value (top_p, repetition_penalty, n) and use the `optional` presence bits elsewhere.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from engine_server.engine.types import RequestError, SamplingParams
+from engine_server.frontend.outputs import GenerateRequest
+
+from .engine_handle import TokenizerLike
+
+# NOTE: requests of this service live in the engine's request-id space beside engine.v1's; the prefix keeps a
+# gateway's ids from colliding with (or aborting) a direct client's.
+ENGINE_ID_PREFIX = "vllm:"
+
+
+def engine_request_id(request_id: str) -> str:
+    return ENGINE_ID_PREFIX + request_id
+
+
+def sampling_params_from_proto(params: Any) -> SamplingParams:
+    """Raises RequestError for values our engine does not serve (the message names the field)."""
+    constraint = params.WhichOneof("constraint")
+    if constraint is not None:
+        raise RequestError(constraint, "structured outputs are not supported by this engine")
+    for name in ("logprobs", "prompt_logprobs"):
+        if params.HasField(name) and getattr(params, name) < 0:
+            raise RequestError(name, "-1 (all tokens) is not supported; ask for at most 20")
+    return SamplingParams(
+        n=params.n or 1,
+        temperature=params.temperature if params.HasField("temperature") else 1.0,
+        top_p=params.top_p or 1.0,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty or 1.0,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        seed=params.seed if params.HasField("seed") else None,
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in params.logit_bias.items())),
+        min_tokens=params.min_tokens,
+        max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
+        stop_token_ids=tuple(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
+        prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
+    )
+
+
+def prompt_ids_from_proto(request: Any, *, tokenizer: TokenizerLike, max_model_len: int) -> tuple[int, ...]:
+    """The prompt: the gateway's `tokenized.input_ids` (or `text`, tokenized here), truncated if asked."""
+    which = request.WhichOneof("input")
+    if which == "tokenized":
+        ids = tuple(request.tokenized.input_ids)
+    elif which == "text":
+        ids = tuple(tokenizer.encode(request.text, add_special_tokens=True).token_ids)
+    else:
+        raise RequestError("input", "one of tokenized or text is required")
+    if not ids:
+        raise RequestError("input", "the prompt must not be empty")
+    params = request.sampling_params
+    if params.HasField("truncate_prompt_tokens"):
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = max_model_len
+        if keep < 1:
+            raise RequestError("truncate_prompt_tokens", f"must be >= 1 or -1 (model maximum), got {keep}")
+        ids = ids[-keep:]  # NOTE: vLLM keeps the end of the prompt (the part next to the generation)
+    return ids
+
+
+def reject_unsupported_inputs(request: Any) -> None:
+    """Multimodal inputs and PD (KV-transfer) requests: this is a text-only, single-stage engine."""
+    for name in ("mm_inputs", "media_refs", "kv_transfer_params"):
+        if request.HasField(name):
+            raise RequestError(name, "not supported by this engine (text-only, no prefill/decode split)")
+    if request.extra_mm_inputs:
+        raise RequestError("extra_mm_inputs", "not supported by this engine (text-only)")
+    if request.HasField("kv_transfer_params_json"):
+        raise RequestError("kv_transfer_params_json", "not supported (no prefill/decode split)")
+
+
+def generate_request_from_proto(
+    request: Any, *, tokenizer: TokenizerLike, max_model_len: int
+) -> GenerateRequest:
+    reject_unsupported_inputs(request)
+    params = request.sampling_params
+    stop = tuple(params.stop)
+    return GenerateRequest(
+        request_id=engine_request_id(request.request_id or uuid.uuid4().hex),
+        prompt_token_ids=prompt_ids_from_proto(request, tokenizer=tokenizer, max_model_len=max_model_len),
+        params=sampling_params_from_proto(params),
+        stop=stop,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        # NOTE: the gateway detokenizes itself; text is only needed here to match stop strings.
+        detokenize=bool(stop),
+        skip_special_tokens=params.skip_special_tokens,
+    )

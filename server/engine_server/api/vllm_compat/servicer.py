@@ -1,0 +1,210 @@
+"""`vllm.grpc.engine.VllmEngine` on our AsyncEngine: what the smg gateway calls on a vLLM gRPC worker.
+
+Cancellation (how smg ends requests):
+  1) a streaming client that disconnects: smg sends Abort and keeps the Generate stream open, so Abort ends
+     the stream (a `complete` with finish_reason "abort", then OK) instead of generating for nobody;
+  2) a non-streaming request, or a stream before its first token: smg resets the HTTP/2 stream; grpclib
+     cancels the handler, and closing the engine stream aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+from engine_server.frontend.outputs import EngineState
+
+from .engine_handle import EngineHandle
+from .errors import grpc_status
+from .requests import engine_request_id, generate_request_from_proto
+from .responses import EngineRequestFailed, ResponseBuilder
+from .service import RpcStream, VllmEngineBase
+from .tokenizer_bundle import TokenizerBundle, build_tokenizer_bundle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class VllmCompatOptions:
+    served_model_name: str | None = None  # None: the model directory's path, as vLLM reports it
+    max_num_seqs: int = 0  # the engine's running window; 0 = unknown
+    version: str = ""  # reported by GetLoads
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 0:
+            raise ValueError(f"max_num_seqs: must be >= 0, got {self.max_num_seqs}")
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ValueError("served_model_name: must not be empty (None = the model path)")
+
+
+def _model_type(model_path: str) -> str:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    value = config.get("model_type", "") if isinstance(config, dict) else ""
+    return value if isinstance(value, str) else ""
+
+
+class VllmEngineServicer(VllmEngineBase):
+    def __init__(self, engine: EngineHandle, options: VllmCompatOptions | None = None) -> None:
+        self._engine = engine
+        self._options = options or VllmCompatOptions()
+        self._start_time = time.time()
+        self._last_receive_time = 0.0
+        self._model_type = _model_type(engine.model_info.model_path)
+        self._tokenizer_bundle: TokenizerBundle | None = None
+
+    # --- generation ---------------------------------------------------------------------------------
+
+    async def Generate(self, stream: RpcStream) -> None:
+        request = await stream.recv_message()
+        if request is None:
+            raise GRPCError(Status.INVALID_ARGUMENT, "empty request")
+        self._last_receive_time = time.time()
+        engine = self._engine
+        with grpc_status("Generate", request.request_id):
+            generate_request = generate_request_from_proto(
+                request, tokenizer=engine.tokenizer, max_model_len=engine.model_info.max_model_len
+            )
+            params = generate_request.params
+            builder = ResponseBuilder(
+                stream=request.stream,
+                prompt_token_ids=generate_request.prompt_token_ids,
+                num_logprobs=params.logprobs,
+                num_prompt_logprobs=params.prompt_logprobs,
+                stop_token_ids=params.stop_token_ids,
+            )
+            # NOTE: aclosing: a cancelled handler (RST_STREAM) or a failed send aborts the engine request.
+            async with aclosing(engine.generate(generate_request)) as outputs:
+                async for output in outputs:
+                    try:
+                        messages = builder.on_output(output)
+                    except EngineRequestFailed as exc:
+                        logger.error("request %r failed in the engine: %s", request.request_id, exc)
+                        raise GRPCError(Status.INTERNAL, "the engine failed running the request") from exc
+                    for message in messages:
+                        await stream.send_message(message)
+
+    async def Abort(self, stream: RpcStream) -> None:
+        request = await stream.recv_message()
+        if request is None:
+            raise GRPCError(Status.INVALID_ARGUMENT, "empty request")
+        with grpc_status("Abort"):
+            await self._engine.abort([engine_request_id(request_id) for request_id in request.request_ids])
+        await stream.send_message(pb.AbortResponse())
+
+    async def Embed(self, stream: RpcStream) -> None:
+        request = await stream.recv_message()
+        if request is None:
+            raise GRPCError(Status.INVALID_ARGUMENT, "empty request")
+        input_ids = list(request.tokenized.input_ids)
+        if not input_ids:
+            raise GRPCError(Status.INVALID_ARGUMENT, "tokenized.input_ids: must not be empty")
+        with grpc_status("Embed", request.request_id):
+            vectors = await self._engine.embed([input_ids], normalize=True)
+        embedding = vectors[0]
+        await stream.send_message(
+            pb.EmbedResponse(embedding=embedding, prompt_tokens=len(input_ids), embedding_dim=len(embedding))
+        )
+
+    # --- discovery and load ---------------------------------------------------------------------------
+
+    async def HealthCheck(self, stream: RpcStream) -> None:
+        await stream.recv_message()
+        state = self._engine.state
+        # NOTE: draining reports unhealthy so the gateway stops routing here while in-flight requests finish.
+        healthy = state is EngineState.SERVING
+        await stream.send_message(pb.HealthCheckResponse(healthy=healthy, message=f"engine {state.value}"))
+
+    async def GetModelInfo(self, stream: RpcStream) -> None:
+        await stream.recv_message()
+        info = self._engine.model_info
+        await stream.send_message(pb.GetModelInfoResponse(
+            model_path=info.model_path,
+            is_generation=info.task == "generate",
+            max_context_length=info.max_model_len,
+            vocab_size=info.vocab_size,
+            supports_vision=False,
+            served_model_name=self._options.served_model_name or info.model_path,
+            # A local directory the gateway loads the tokenizer (and chat template) from; it must be
+            # readable where smg runs (else smg falls back to GetTokenizer / its --tokenizer-path).
+            tokenizer_path=str(self._engine.tokenizer.path),
+            model_type=self._model_type,
+            architectures=[info.architecture],
+            eos_token_ids=list(info.eos_token_ids),
+            pad_token_id=info.pad_token_id if info.pad_token_id is not None else 0,
+            bos_token_id=info.bos_token_id if info.bos_token_id is not None else 0,
+            max_req_input_len=info.max_model_len,
+        ))
+
+    async def GetServerInfo(self, stream: RpcStream) -> None:
+        await stream.recv_message()
+        engine = self._engine
+        info = engine.model_info
+        await stream.send_message(pb.GetServerInfoResponse(
+            active_requests=engine.num_running + engine.num_waiting,
+            is_paused=engine.state is EngineState.DRAINING,
+            last_receive_timestamp=self._last_receive_time,
+            uptime_seconds=time.time() - self._start_time,
+            server_type="vllm-grpc",
+            data_parallel_size=1,
+            kv_cache_dtype="auto",
+            block_size=info.block_size,
+            model_dtype=info.dtype,
+            max_num_seqs=self._options.max_num_seqs,
+        ))
+
+    async def GetLoads(self, stream: RpcStream) -> None:
+        await stream.recv_message()
+        engine = self._engine
+        stats = engine.stats()
+        block_size = engine.model_info.block_size
+        # NOTE: running/waiting come from the frontend (exact, and current even when the core is idle);
+        # KV usage from the core's latest step.
+        num_running, num_waiting = engine.num_running, engine.num_waiting
+        load = pb.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=num_running,
+            num_waiting_reqs=num_waiting,
+            num_total_reqs=num_running + num_waiting,
+            num_used_tokens=(stats.num_total_blocks - stats.num_free_blocks) * block_size,
+            max_total_num_tokens=stats.num_total_blocks * block_size,
+            token_usage=stats.kv_cache_usage,
+            max_running_requests=self._options.max_num_seqs,
+        )
+        await stream.send_message(pb.GetLoadsResponse(
+            timestamp=datetime.now(UTC).isoformat(), version=self._options.version, dp_rank_count=1,
+            loads=[load],
+        ))
+
+    async def GetTokenizer(self, stream: RpcStream) -> None:
+        await stream.recv_message()
+        bundle = self._tokenizer_bundle
+        if bundle is None:
+            directory = Path(self._engine.tokenizer.path)
+            try:
+                # NOTE: file I/O and compression stay off the event loop (streams keep flowing meanwhile).
+                bundle = await asyncio.to_thread(build_tokenizer_bundle, directory)
+            except OSError as exc:
+                logger.error("cannot bundle the tokenizer in %s: %s", directory, exc)
+                raise GRPCError(Status.FAILED_PRECONDITION, "the tokenizer files are not readable") from exc
+            self._tokenizer_bundle = bundle
+        for data, sha256 in bundle.chunks():
+            await stream.send_message(common_pb2.GetTokenizerChunk(data=data, sha256=sha256))
+
+
+def vllm_handlers(engine: EngineHandle, *, options: VllmCompatOptions | None = None) -> list[object]:
+    """The servicers to add to the grpclib Server (beside engine.v1, on the same port)."""
+    return [VllmEngineServicer(engine, options)]
