@@ -37,9 +37,9 @@ class H2Policy:
     max_concurrent_streams: int = 512
     # A PING is a "strike" when it arrives less than min_ping_interval_s after the previous PING and the
     # server has sent no DATA/HEADERS since then (grpc-core / grpc-go policy); more than max_ping_strikes
-    # strikes -> GOAWAY "too_many_pings". Keepalive pings every >= 10 s never strike.
+    # strikes -> GOAWAY "too_many_pings". Keepalive pings every >= 5 s never strike.
     max_ping_strikes: int = 2
-    min_ping_interval_s: float = 10.0
+    min_ping_interval_s: float = 5.0
     # Client RST_STREAMs: a token bucket (burst, refill per second). Rapid reset sends thousands a second.
     reset_burst: int = 1000
     reset_rate_per_s: float = 200.0

@@ -1,0 +1,106 @@
+"""API key: missing / wrong -> UNAUTHENTICATED before the servicer runs; right -> OK; health needs none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine_proto.engine.v1 import generate_pb2, tokenize_pb2
+from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
+from engine_server.api.security import SecurityConfig
+from engine_server.api.security.auth import presented_key, resolve_api_key
+from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from grpclib.health.v1.health_grpc import HealthStub
+from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from sec_fakes import WAIT_S, serve
+
+KEY = "s3cret-key_0123456789"
+
+
+@pytest.mark.parametrize(
+    ("metadata", "expected"),
+    [
+        ({"authorization": f"Bearer {KEY}"}, Status.OK),
+        ({"authorization": f"bearer {KEY}"}, Status.OK),
+        ({"x-api-key": KEY}, Status.OK),
+        ({}, Status.UNAUTHENTICATED),
+        ({"authorization": f"Bearer {KEY}x"}, Status.UNAUTHENTICATED),
+        ({"authorization": f"Bearer {KEY[:-1]}"}, Status.UNAUTHENTICATED),
+        ({"authorization": KEY}, Status.UNAUTHENTICATED),  # no scheme
+        ({"authorization": f"Basic {KEY}"}, Status.UNAUTHENTICATED),
+        ({"x-api-key": "wrong"}, Status.UNAUTHENTICATED),
+        ({"authorization": "Bearer "}, Status.UNAUTHENTICATED),
+    ],
+)
+async def test_api_key_on_every_call(metadata: dict[str, str], expected: Status) -> None:
+    async with serve(SecurityConfig(api_key=KEY)) as served:
+        channel = Channel("127.0.0.1", served.port)
+        try:
+            stub = EngineServiceStub(channel)
+            request = tokenize_pb2.TokenizeRequest(text="hi")
+            if expected is Status.OK:
+                reply = await stub.Tokenize(request, metadata=metadata, timeout=WAIT_S)
+                assert list(reply.token_ids) == [ord("h"), ord("i")]
+            else:
+                with pytest.raises(GRPCError) as err:
+                    await stub.Tokenize(request, metadata=metadata, timeout=WAIT_S)
+                assert err.value.status is expected
+                assert err.value.message == "missing or invalid API key"
+                # Streaming RPCs are checked too, and the engine never sees the call.
+                with pytest.raises(GRPCError) as err:
+                    await stub.Generate(
+                        generate_pb2.GenerateRequest(request_id="r"), metadata=metadata, timeout=WAIT_S
+                    )
+                assert err.value.status is expected
+                assert served.engine.num_started == 0
+        finally:
+            channel.close()
+
+
+async def test_health_is_reachable_without_key() -> None:
+    async with serve(SecurityConfig(api_key=KEY)) as served:
+        channel = Channel("127.0.0.1", served.port)
+        try:
+            reply = await HealthStub(channel).Check(HealthCheckRequest(), timeout=WAIT_S)
+            assert reply.status == HealthCheckResponse.SERVING
+            # The exemption is per service: the engine service still needs the key on this connection.
+            with pytest.raises(GRPCError) as err:
+                await EngineServiceStub(channel).Tokenize(
+                    tokenize_pb2.TokenizeRequest(text="x"), timeout=WAIT_S
+                )
+            assert err.value.status is Status.UNAUTHENTICATED
+        finally:
+            channel.close()
+
+
+async def test_no_key_configured_means_no_auth() -> None:
+    async with serve(SecurityConfig()) as served:
+        channel = Channel("127.0.0.1", served.port)
+        try:
+            reply = await EngineServiceStub(channel).Tokenize(
+                tokenize_pb2.TokenizeRequest(text="a"), timeout=WAIT_S
+            )
+            assert list(reply.token_ids) == [ord("a")]
+        finally:
+            channel.close()
+
+
+def test_presented_key_prefers_authorization() -> None:
+    assert presented_key({"authorization": "Bearer a", "x-api-key": "b"}) == "a"
+    assert presented_key({"authorization": "Basic a", "x-api-key": "b"}) == "b"
+    assert presented_key({}) is None
+
+
+def test_resolve_api_key(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text(f"{KEY}\n")
+    assert resolve_api_key(api_key_file=str(key_file), environ={}) == KEY
+    assert resolve_api_key(api_key="flag", environ={"ENGINE_API_KEY": "env"}) == "flag"
+    assert resolve_api_key(environ={"ENGINE_API_KEY": "env"}) == "env"
+    assert resolve_api_key(environ={}) is None
+    with pytest.raises(ValueError, match="not both"):
+        resolve_api_key(api_key="a", api_key_file=str(key_file), environ={})
+    with pytest.raises(ValueError, match="cannot read"):
+        resolve_api_key(api_key_file=str(key_file) + ".missing", environ={})

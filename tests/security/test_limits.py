@@ -1,0 +1,70 @@
+"""Receive message size: oversized -> RESOURCE_EXHAUSTED (body never buffered), the server keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from engine_proto.engine.v1 import engine_service_pb2_grpc
+from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
+from engine_proto.engine.v1.tokenize_pb2 import TokenizeRequest
+from engine_server.api.security import SecurityConfig
+from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from sec_fakes import WAIT_S, serve
+
+LIMIT = 64 * 1024
+
+
+def _request_of_size(num_bytes: int) -> TokenizeRequest:
+    # field 1 (text) costs 1 tag byte + a varint length on top of the text
+    overhead = TokenizeRequest(text="a" * num_bytes).ByteSize() - num_bytes
+    request = TokenizeRequest(text="a" * (num_bytes - overhead))
+    assert request.ByteSize() == num_bytes
+    return request
+
+
+async def test_oversized_message_is_resource_exhausted_and_server_keeps_serving() -> None:
+    async with serve(SecurityConfig(max_receive_message_size=LIMIT)) as served:
+        channel = Channel("127.0.0.1", served.port)
+        try:
+            stub = EngineServiceStub(channel)
+            reply = await stub.Tokenize(_request_of_size(LIMIT), timeout=WAIT_S)  # exactly the limit: fine
+            assert len(reply.token_ids) == 64
+            for _ in range(3):  # repeatedly, on the same connection
+                with pytest.raises(GRPCError) as err:
+                    await stub.Tokenize(_request_of_size(LIMIT + 1), timeout=WAIT_S)
+                assert err.value.status is Status.RESOURCE_EXHAUSTED
+                assert err.value.message == f"received message larger than max ({LIMIT + 1} vs. {LIMIT})"
+            # The connection's flow-control window was not leaked: many normal calls still fit.
+            for _ in range(20):
+                reply = await stub.Tokenize(TokenizeRequest(text="ok"), timeout=WAIT_S)
+                assert list(reply.token_ids) == [ord("o"), ord("k")]
+        finally:
+            channel.close()
+
+
+async def test_message_larger_than_flow_control_window() -> None:
+    # 6 MiB > the 4 MiB stream window: the server must answer before the client could finish sending.
+    size = 6 << 20
+    async with serve(SecurityConfig(max_receive_message_size=LIMIT)) as served, grpc.aio.insecure_channel(
+        f"127.0.0.1:{served.port}", options=[("grpc.max_send_message_length", -1)]
+    ) as channel:
+        stub = engine_service_pb2_grpc.EngineServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Tokenize(TokenizeRequest(text="b" * size), timeout=WAIT_S)
+        assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        reply = await stub.Tokenize(TokenizeRequest(text="ok"), timeout=WAIT_S)
+        assert list(reply.token_ids) == [ord("o"), ord("k")]
+
+
+async def test_default_limit_is_4_mib() -> None:
+    assert SecurityConfig().max_receive_message_size == 4 << 20
+    async with serve(SecurityConfig()) as served:
+        channel = Channel("127.0.0.1", served.port)
+        try:
+            with pytest.raises(GRPCError) as err:
+                await EngineServiceStub(channel).Tokenize(_request_of_size((4 << 20) + 1), timeout=WAIT_S)
+            assert err.value.status is Status.RESOURCE_EXHAUSTED
+        finally:
+            channel.close()
