@@ -1,0 +1,32 @@
+#!/usr/bin/env python3
+"""Builds the random-weight test models (deterministic, seconds): OUT_DIR/<name> for each spec.
+
+Usage: build_test_models.py OUT_DIR [--only tiny-llama|bench-llama-30m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
+
+from engine_server.models.tiny import SPECS, build_model
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--only", choices=sorted(SPECS), action="append")
+    args = parser.parse_args()
+    for name in args.only or sorted(SPECS):
+        target = args.out_dir / name
+        build_model(SPECS[name], target)
+        print(f"built {name} -> {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

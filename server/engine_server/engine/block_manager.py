@@ -1,0 +1,135 @@
+"""The paged KV cache's bookkeeping: blocks are ints, a free list, ref counts and a prefix cache.
+
+A full, computed block is registered under a chained hash of (previous block's hash, its tokens),
+so a later sequence with the same prefix reuses it. Freed blocks keep their hash until they are
+handed out again: a preempted or finished sequence's prefix stays reusable while memory allows.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine_server.engine.sequence import Sequence
+
+
+def chain_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # NOTE: allocation pops from the left and frees append on the right, so the cached
+        # blocks freed longest ago are evicted first (LRU).
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # 1) prefix cache lookup and admission
+    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Cached blocks (and their hashes) for the longest run of full blocks of seq's tokens.
+
+        At most num_tokens - 1 tokens are matched: the last token must be computed to get logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        block_ids: list[int] = []
+        hashes: list[int] = []
+        parent = 0
+        size = self.block_size
+        for start in range(0, seq.num_tokens - 1 - size + 1, size):
+            tokens = tuple(seq.token_ids[start:start + size])
+            h = chain_hash(parent, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.block_tokens[block_id] != tokens:
+                break
+            block_ids.append(block_id)
+            hashes.append(h)
+            parent = h
+        return block_ids, hashes
+
+    def can_admit(self, cached_block_ids: list[int], num_tokens: int) -> bool:
+        """Whether the cached blocks plus new ones for num_tokens fit in the free list."""
+        num_new = self.blocks_needed(num_tokens) - len(cached_block_ids)
+        # A cached block with no owner sits in the free list: taking it uses a free slot.
+        num_reused_free = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
+        return num_new + num_reused_free <= self.num_free_blocks
+
+    def admit(self, seq: Sequence, cached_block_ids: list[int], hashes: list[int]) -> None:
+        """Gives seq the cached blocks; the caller then calls ensure_blocks for the rest."""
+        for block_id in cached_block_ids:
+            if self.ref_counts[block_id] == 0:
+                self.free_block_ids.remove(block_id)
+            self.ref_counts[block_id] += 1
+        seq.block_table = list(cached_block_ids)
+        seq.block_hashes = list(hashes)
+        seq.num_computed_tokens = len(cached_block_ids) * self.block_size
+
+    # 2) growth, registration, release
+    def ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grows seq's block table to hold num_tokens; False (and no change) if memory is short."""
+        num_missing = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if num_missing <= 0:
+            return True
+        if num_missing > self.num_free_blocks:
+            return False
+        for _ in range(num_missing):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Publishes seq's newly full, computed blocks in the prefix cache."""
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        size = self.block_size
+        while len(seq.block_hashes) < num_full:
+            i = len(seq.block_hashes)
+            tokens = tuple(seq.token_ids[i * size:(i + 1) * size])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else 0, tokens)
+            seq.block_hashes.append(h)
+            if not self.enable_prefix_caching:
+                continue
+            block_id = seq.block_table[i]
+            if h not in self.hash_to_block and self.block_hash[block_id] is None:
+                self.hash_to_block[h] = block_id
+                self.block_hash[block_id] = h
+                self.block_tokens[block_id] = tokens
+
+    def share(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
+        """Gives child the parent's first num_blocks (full, computed) blocks: n>1 shares the prompt."""
+        child.block_table = parent.block_table[:num_blocks]
+        child.block_hashes = parent.block_hashes[:num_blocks]
+        for block_id in child.block_table:
+            self.ref_counts[block_id] += 1
+        child.num_computed_tokens = num_blocks * self.block_size
+
+    def free(self, seq: Sequence) -> None:
+        # Reversed: a sequence's tail blocks are the least likely to be shared, so evict them first.
+        for block_id in reversed(seq.block_table):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_block_ids.append(block_id)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def _take_free_block(self) -> int:
+        block_id = self.free_block_ids.popleft()
+        h = self.block_hash[block_id]
+        if h is not None:  # evict its cached content
+            if self.hash_to_block.get(h) == block_id:
+                del self.hash_to_block[h]
+            self.block_hash[block_id] = None
+            self.block_tokens[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id

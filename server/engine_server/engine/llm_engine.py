@@ -1,0 +1,234 @@
+"""The engine core's loop: admit requests, step the scheduler and the model, emit deltas.
+
+Single-threaded by design: the frontend calls add_request / abort / step from one thread
+(the engine's own process or thread), never from a coroutine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_server.engine.block_manager import BlockManager
+from engine_server.engine.config import EngineConfig
+from engine_server.engine.loader import LoadedModel, ModelInfo, load_model
+from engine_server.engine.model_runner import ModelRunner, StepLogits
+from engine_server.engine.sampler import Sampler, logprobs_of
+from engine_server.engine.scheduler import ScheduledSeq, Scheduler
+from engine_server.engine.sequence import Sequence
+from engine_server.engine.types import (
+    CompletionDelta,
+    EngineOverloaded,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    RequestError,
+    TokenLogprob,
+)
+from engine_server.engine.validation import validate_request
+
+logger = logging.getLogger(__name__)
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads per-index seeds of an n>1 request apart
+
+
+def index_seed(seed: int, index: int) -> int:
+    """Completion `index` of a seeded request uses this seed (index 0 uses the request's own)."""
+    return (seed + index * _SEED_STRIDE) % 2**64
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: EngineRequest
+    seqs: dict[int, Sequence] = field(default_factory=dict)  # live completions by index
+    finished_indices: set[int] = field(default_factory=set)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        loaded: LoadedModel = load_model(config)
+        self.model_info: ModelInfo = loaded.info
+        self._loaded = loaded
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_aborts: list[str] = []
+        self._seq_ids = itertools.count()
+        self.block_manager = BlockManager(loaded.info.num_kv_blocks, loaded.info.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.runner: ModelRunner | None = None
+        if loaded.info.task == "generate" and loaded.kv is not None:
+            self.runner = ModelRunner(loaded.model, kv=loaded.kv, num_blocks=loaded.info.num_kv_blocks,
+                                      block_size=loaded.info.block_size, dtype=loaded.dtype,
+                                      device=loaded.device)
+        self.sampler = Sampler(vocab_size=loaded.info.vocab_size, eos_token_ids=loaded.info.eos_token_ids)
+
+    # 1) admission
+    def add_request(self, request: EngineRequest) -> None:
+        validate_request(request, self.model_info)
+        params = request.params
+        if request.request_id in self._requests:
+            raise RequestError("request_id", f"{request.request_id!r} is already in use")
+        if params.n > self.config.max_num_seqs:
+            raise RequestError("n", f"must be <= max_num_seqs ({self.config.max_num_seqs}), got {params.n}")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are waiting; retry later")
+        num_prompt = len(request.prompt_token_ids)
+        max_tokens = self.model_info.max_model_len - num_prompt
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        seq = self._new_sequence(request, 0, list(request.prompt_token_ids), max_tokens)
+        seq.num_siblings_to_fork = params.n - 1
+        self._requests[request.request_id] = _RequestState(request, {0: seq})
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, request: EngineRequest, index: int, token_ids: list[int],
+                      max_tokens: int) -> Sequence:
+        generator = None
+        if request.params.seed is not None:
+            generator = torch.Generator(device=self._loaded.device)
+            generator.manual_seed(index_seed(request.params.seed, index))
+        return Sequence(seq_id=next(self._seq_ids), request_id=request.request_id, index=index,
+                        params=request.params, token_ids=token_ids,
+                        num_prompt_tokens=len(request.prompt_token_ids), max_tokens=max_tokens,
+                        generator=generator)
+
+    def abort(self, request_ids: Iterable[str]) -> list[str]:
+        found = [rid for rid in request_ids if rid in self._requests and rid not in self._pending_aborts]
+        self._pending_aborts.extend(found)
+        return found
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_total_blocks=self.block_manager.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefix_cache_hit_tokens=self.scheduler.num_prefix_cache_hit_tokens,
+        )
+
+    def embed(self, inputs: list[list[int]], *, normalize: bool) -> list[list[float]]:
+        if self._loaded.embedder is None:
+            raise RequestError("model", f"{self.model_info.model_path!r} is not an embedding model")
+        vectors: list[list[float]] = self._loaded.embedder.embed(inputs, normalize=normalize)
+        return vectors
+
+    # 2) the step
+    def step(self) -> list[CompletionDelta]:
+        deltas = self._process_aborts()
+        if self.runner is None:
+            return deltas
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return deltas
+        step_logits, ordered = self.runner.execute(sched.scheduled)
+        for s in ordered:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.register_full_blocks(s.seq)
+        self._collect_prompt_logprobs(step_logits, ordered)
+        sample_seqs, rows = self._sampling_rows(step_logits, ordered)
+        if sample_seqs:
+            tokens, logprobs = self.sampler(step_logits.logits[rows], sample_seqs)
+            for seq, token, logprob in zip(sample_seqs, tokens, logprobs, strict=True):
+                deltas.append(self._append_token(seq, token, logprob))
+        return deltas
+
+    def _sampling_rows(self, step_logits: StepLogits, ordered: list[ScheduledSeq]
+                       ) -> tuple[list[Sequence], torch.Tensor]:
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for s in ordered:
+            row = step_logits.sample_rows.get(s.seq.seq_id)
+            if row is None:
+                continue
+            seqs.append(s.seq)
+            rows.append(row)
+            if s.seq.num_siblings_to_fork:
+                # n > 1: the prompt is computed once; siblings sample from the same logits row.
+                for sibling in self._fork(s.seq):
+                    seqs.append(sibling)
+                    rows.append(row)
+        return seqs, torch.tensor(rows, dtype=torch.long, device=step_logits.logits.device)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        state = self._requests[parent.request_id]
+        siblings = []
+        num_shared_blocks = parent.num_prompt_tokens // self.block_manager.block_size
+        for index in range(1, parent.num_siblings_to_fork + 1):
+            child = self._new_sequence(state.request, index, list(parent.token_ids), parent.max_tokens)
+            # NOTE: only full prompt blocks are shared; the child recomputes the partial tail
+            # (< block_size tokens) into its own block, so no block is ever written by two owners.
+            self.block_manager.share(parent, child, num_shared_blocks)
+            self.scheduler.add_running(child)
+            state.seqs[index] = child
+            siblings.append(child)
+        parent.num_siblings_to_fork = 0
+        return siblings
+
+    def _collect_prompt_logprobs(self, step_logits: StepLogits, ordered: list[ScheduledSeq]) -> None:
+        for s in ordered:
+            span = step_logits.prompt_rows.get(s.seq.seq_id)
+            if span is None:
+                continue
+            first_row, num_rows, first_pos = span
+            seq = s.seq
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None]  # the first prompt token has no logprob
+            lps = torch.log_softmax(step_logits.logits[first_row:first_row + num_rows], dim=-1)
+            targets = torch.tensor(seq.token_ids[first_pos + 1:first_pos + 1 + num_rows], device=lps.device)
+            k = int(seq.params.prompt_logprobs or 0)
+            seq.prompt_logprobs.extend(logprobs_of(lps, targets, [k] * num_rows))
+
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> CompletionDelta:
+        seq.token_ids.append(token)
+        params = seq.params
+        delta = CompletionDelta(request_id=seq.request_id, index=seq.index, new_token_ids=[token],
+                                logprobs=[logprob] if logprob is not None else None)
+        if seq.is_first_output:
+            seq.is_first_output = False
+            if seq.index == 0:
+                delta.num_prompt_tokens = seq.num_prompt_tokens
+                delta.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+                if params.prompt_logprobs is not None:
+                    delta.prompt_logprobs = seq.prompt_logprobs or [None]
+                    seq.prompt_logprobs = None
+        is_stop = token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.model_info.eos_token_ids)
+        if is_stop and seq.num_output_tokens >= params.min_tokens:
+            delta.finish_reason, delta.stop_token_id = FinishReason.STOP, token
+        elif seq.num_output_tokens >= seq.max_tokens:
+            delta.finish_reason = FinishReason.LENGTH
+        if delta.finish_reason is not None:
+            self._finish(seq)
+        return delta
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        state = self._requests[seq.request_id]
+        state.seqs.pop(seq.index, None)
+        state.finished_indices.add(seq.index)
+        if len(state.finished_indices) == state.request.params.n:
+            del self._requests[seq.request_id]
+
+    def _process_aborts(self) -> list[CompletionDelta]:
+        deltas = []
+        for request_id in self._pending_aborts:
+            state = self._requests.pop(request_id, None)
+            if state is None:
+                continue
+            for seq in state.seqs.values():
+                self.scheduler.remove(seq)
+            for index in range(state.request.params.n):
+                if index not in state.finished_indices:
+                    deltas.append(CompletionDelta(request_id=request_id, index=index, new_token_ids=[],
+                                                  finish_reason=FinishReason.ABORT))
+        self._pending_aborts.clear()
+        return deltas

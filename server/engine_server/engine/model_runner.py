@@ -1,0 +1,107 @@
+"""Turns a scheduled step into one flattened forward pass over the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_server.engine.attention import PagedMetadata, PrefillChunk
+from engine_server.engine.loader import KVShape
+from engine_server.engine.scheduler import ScheduledSeq
+
+
+@dataclass(slots=True)
+class StepLogits:
+    """Logits of the rows the step asked for, and where each scheduled sequence's rows are."""
+
+    logits: torch.Tensor  # [num_rows, vocab] float32
+    sample_rows: dict[int, int]  # seq_id -> row of the logits that predicts its next token
+    prompt_rows: dict[int, tuple[int, int, int]]  # seq_id -> (first row, num rows, first prompt position)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, *, kv: KVShape, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        num_slots = num_blocks * block_size
+        self.kv_caches = [
+            (torch.zeros(num_slots, kv.num_kv_heads, kv.head_dim, dtype=dtype, device=device),
+             torch.zeros(num_slots, kv.num_kv_heads, kv.head_dim, dtype=dtype, device=device))
+            for _ in range(kv.num_layers)
+        ]
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        size = self.block_size
+        return [block_table[p // size] * size + p % size for p in range(start, end)]
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[StepLogits, list[ScheduledSeq]]:
+        """Runs the model; returns the logits and the order the sequences were laid out in."""
+        # NOTE: single-token queries (decodes, and 1-token chunks) go first so they share one SDPA call.
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        keep: list[int] = []
+        sample_rows: dict[int, int] = {}
+        prompt_rows: dict[int, tuple[int, int, int]] = {}
+        chunks: list[PrefillChunk] = []
+        for s in decodes + prefills:
+            seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
+            q_start = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(self._slots(seq.block_table, start, end))
+            if s.num_new_tokens > 1:
+                chunks.append(self._prefill_chunk(s, q_start))
+            if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
+                # position p's logits score prompt token p + 1
+                last = min(end, seq.num_prompt_tokens - 1)
+                prompt_rows[seq.seq_id] = (len(keep), last - start, start)
+                keep.extend(range(q_start, q_start + last - start))
+            if s.completes:
+                sample_rows[seq.seq_id] = len(keep)
+                keep.append(q_start + s.num_new_tokens - 1)
+        meta = PagedMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
+            prefills=chunks,
+        )
+        if decodes:
+            self._decode_metadata(meta, decodes)
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        pos = torch.tensor([positions], dtype=torch.long, device=self.device)
+        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_t,
+                         paged_metadata=meta)
+        logits = out.logits[0].float()
+        return StepLogits(logits, sample_rows, prompt_rows), decodes + prefills
+
+    def _prefill_chunk(self, s: ScheduledSeq, q_start: int) -> PrefillChunk:
+        q_end = q_start + s.num_new_tokens
+        if s.start == 0:
+            return PrefillChunk(q_start, q_end)
+        context_len = s.start + s.num_new_tokens
+        slots = torch.tensor(self._slots(s.seq.block_table, 0, context_len), dtype=torch.long,
+                             device=self.device)
+        query_pos = torch.arange(s.start, context_len, device=self.device)
+        mask = torch.arange(context_len, device=self.device)[None, :] <= query_pos[:, None]
+        return PrefillChunk(q_start, q_end, slots, mask)
+
+    def _decode_metadata(self, meta: PagedMetadata, decodes: list[ScheduledSeq]) -> None:
+        size = self.block_size
+        context_lens = [s.start + 1 for s in decodes]
+        max_len = max(context_lens)
+        max_blocks = -(-max_len // size)
+        tables = [s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
+                  for s in decodes]
+        table_t = torch.tensor(tables, dtype=torch.long, device=self.device)
+        pos = torch.arange(max_len, device=self.device)
+        meta.num_decode = len(decodes)
+        meta.decode_slots = table_t[:, pos // size] * size + pos % size
+        lens_t = torch.tensor(context_lens, dtype=torch.long, device=self.device)
+        meta.decode_mask = (pos[None, :] < lens_t[:, None])[:, None, None, :]

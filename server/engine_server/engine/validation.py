@@ -1,0 +1,55 @@
+"""Checks a request against the model before admission (pure Python; raises RequestError)."""
+
+from __future__ import annotations
+
+from engine_server.engine.loader import ModelInfo
+from engine_server.engine.types import EngineRequest, RequestError, SamplingParams
+
+MAX_REQUEST_ID_LEN = 256
+
+
+def _check_token_ids(field_name: str, token_ids: tuple[int, ...], vocab_size: int) -> None:
+    for i, token_id in enumerate(token_ids):
+        # NOTE: bool is an int subclass; a bool token id is a caller bug, not token 0/1.
+        if not isinstance(token_id, int) or isinstance(token_id, bool):
+            raise RequestError(field_name, f"[{i}] must be an integer token id, got {token_id!r}")
+        if not 0 <= token_id < vocab_size:
+            raise RequestError(field_name, f"[{i}] = {token_id} is outside the vocabulary [0, {vocab_size})")
+
+
+def validate_request(request: EngineRequest, info: ModelInfo) -> None:
+    if not isinstance(request.request_id, str) or not request.request_id:
+        raise RequestError("request_id", "must be a non-empty string")
+    if len(request.request_id) > MAX_REQUEST_ID_LEN:
+        raise RequestError("request_id", f"must be at most {MAX_REQUEST_ID_LEN} characters")
+    if info.task != "generate":
+        raise RequestError("model", f"{info.model_path!r} is an embedding model; it cannot generate")
+    if not isinstance(request.params, SamplingParams):
+        raise RequestError("params", "must be a SamplingParams")
+    prompt = request.prompt_token_ids
+    if not isinstance(prompt, (tuple, list)):
+        raise RequestError("prompt_token_ids", "must be a sequence of token ids")
+    if not prompt:
+        raise RequestError("prompt_token_ids", "must not be empty")
+    _check_token_ids("prompt_token_ids", tuple(prompt), info.vocab_size)
+    params = request.params
+    num_prompt = len(prompt)
+    if num_prompt >= info.max_model_len:
+        raise RequestError("prompt_token_ids", f"has {num_prompt} tokens; the model allows at most "
+                           f"{info.max_model_len - 1} (max_model_len {info.max_model_len}, one is left "
+                           f"for the output)")
+    if params.max_tokens is not None and num_prompt + params.max_tokens > info.max_model_len:
+        raise RequestError("max_tokens", f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) "
+                           f"exceeds max_model_len ({info.max_model_len})")
+    if params.min_tokens > info.max_model_len - num_prompt:
+        raise RequestError("min_tokens", f"{params.min_tokens} cannot fit after a {num_prompt}-token prompt "
+                           f"(max_model_len {info.max_model_len})")
+    _check_token_ids("stop_token_ids", params.stop_token_ids, info.vocab_size)
+    bias_ids = tuple(token_id for token_id, _ in params.logit_bias)
+    _check_token_ids("logit_bias", bias_ids, info.vocab_size)
+    if len(set(bias_ids)) != len(bias_ids):
+        raise RequestError("logit_bias", "has a token id more than once")
+    if params.top_k > info.vocab_size:
+        raise RequestError("top_k", f"must be <= the vocabulary size ({info.vocab_size}), got {params.top_k}")
+    if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+        raise RequestError("seed", "must fit in 64 bits")

@@ -1,0 +1,68 @@
+"""Drives an LLMEngine to completion and computes reference outputs with transformers."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from engine_server.engine.llm_engine import LLMEngine
+from engine_server.engine.types import CompletionDelta, EngineRequest, FinishReason
+
+
+class Collected:
+    """Every delta of a run, folded per (request_id, index)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[tuple[str, int], list[int]] = defaultdict(list)
+        self.finish: dict[tuple[str, int], FinishReason] = {}
+        self.deltas: list[CompletionDelta] = []
+
+    def add(self, deltas: list[CompletionDelta]) -> None:
+        seen = set()
+        for d in deltas:
+            key = (d.request_id, d.index)
+            assert key not in seen, "more than one delta for a completion in one step"
+            seen.add(key)
+            assert key not in self.finish, "delta after the completion finished"
+            self.deltas.append(d)
+            self.tokens[key].extend(d.new_token_ids)
+            if d.finish_reason is not None:
+                self.finish[key] = d.finish_reason
+
+
+def run(engine: LLMEngine, requests: list[EngineRequest], *, per_step: int | None = None,
+        max_steps: int = 100_000) -> Collected:
+    """Adds requests (all at once, or per_step of them before each step) and steps until idle."""
+    out = Collected()
+    pending = list(requests)
+    for _ in range(max_steps):
+        take = len(pending) if per_step is None else per_step
+        for request in pending[:take]:
+            engine.add_request(request)
+        pending = pending[take:]
+        out.add(engine.step())
+        if not pending and not engine.has_unfinished():
+            return out
+    raise AssertionError("engine did not finish")
+
+
+@torch.inference_mode()
+def reference_greedy(model: Any, prompts: list[list[int]], max_tokens: list[int], eos_id: int) -> list[list[int]]:
+    """model.generate(do_sample=False) per request; requests with equal prompt lengths share a batch
+    (no padding, so each row is what the request alone would produce), then each row is cut at its
+    own max_tokens and first EOS."""
+    by_len: dict[int, list[int]] = defaultdict(list)
+    for i, prompt in enumerate(prompts):
+        by_len[len(prompt)].append(i)
+    out: list[list[int]] = [[] for _ in prompts]
+    for length, rows in by_len.items():
+        ids = torch.tensor([prompts[i] for i in rows])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max(max_tokens[i] for i in rows), pad_token_id=2)
+        for row, i in enumerate(rows):
+            tokens = gen[row, length:length + max_tokens[i]].tolist()
+            if eos_id in tokens:
+                tokens = tokens[:tokens.index(eos_id) + 1]
+            out[i] = tokens
+    return out
