@@ -1,0 +1,141 @@
+//! The client: one HTTP/2 channel, the engine.v1 stub and the health stub over it.
+
+use std::time::Duration;
+
+use engine_proto::engine::v1::engine_service_client::EngineServiceClient;
+use engine_proto::engine::v1::{
+    AbortRequest, DetokenizeRequest, EmbedRequest, EmbedResponse, GenerateRequest, GetLoadRequest,
+    GetLoadResponse, GetModelInfoRequest, GetModelInfoResponse, GetServerInfoRequest, GetServerInfoResponse,
+    TokenizeRequest, TokenizeResponse,
+};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use tonic::IntoRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+use crate::auth::ApiKeyInterceptor;
+use crate::builder::{ClientBuilder, Settings};
+use crate::error::Result;
+use crate::stream::{Completion, GenerateStream};
+
+/// The channel every stub of this client shares: tonic's [`Channel`] with the API key interceptor.
+pub type AuthChannel = InterceptedService<Channel, ApiKeyInterceptor>;
+
+/// The name under which servers report the health of the engine service (`grpc.health.v1`).
+pub const ENGINE_SERVICE_NAME: &str = "engine.v1.EngineService";
+
+/// An async client of one engine server.
+///
+/// Cloning is cheap and clones share the connection: clone it into each task rather than wrapping it in a
+/// mutex. Every method takes `impl IntoRequest<_>`, so either a bare message or a [`tonic::Request`] carrying
+/// metadata or its own deadline ([`tonic::Request::set_timeout`]) works.
+#[derive(Clone, Debug)]
+pub struct Client {
+    engine: EngineServiceClient<AuthChannel>,
+    health: HealthClient<AuthChannel>,
+    timeout: Option<Duration>,
+}
+
+impl Client {
+    /// Connects to `target` (`host:port`, or an `http://` URI) in plaintext without an API key.
+    pub async fn connect(target: impl Into<String>) -> Result<Self> {
+        ClientBuilder::new(target).connect().await
+    }
+
+    /// Starts configuring a client for `target`: TLS, API key, timeouts, keepalive, message sizes.
+    pub fn builder(target: impl Into<String>) -> ClientBuilder {
+        ClientBuilder::new(target)
+    }
+
+    pub(crate) fn from_parts(channel: Channel, settings: Settings) -> Self {
+        let intercepted = InterceptedService::new(channel, settings.interceptor);
+        let engine = EngineServiceClient::new(intercepted.clone())
+            .max_decoding_message_size(settings.max_message_size)
+            .max_encoding_message_size(settings.max_message_size);
+        Self { engine, health: HealthClient::new(intercepted), timeout: settings.timeout }
+    }
+
+    /// The generated tonic stub, for anything this client does not wrap. It shares the connection and the API
+    /// key, but not the unary [`ClientBuilder::timeout`].
+    pub fn raw(&self) -> EngineServiceClient<AuthChannel> {
+        self.engine.clone()
+    }
+
+    /// Starts a Generate call and returns its response stream once the server accepted it.
+    ///
+    /// The stream yields every response message and then ends (`None`) after the last one, which carries the
+    /// finish reasons and the usage. Dropping the stream early cancels the call, and the server aborts the
+    /// request. Validation errors (INVALID_ARGUMENT) arrive either here or as the stream's first item,
+    /// depending on when the server reports them.
+    pub async fn generate(&self, request: impl IntoRequest<GenerateRequest>) -> Result<GenerateStream> {
+        let response = self.engine.clone().generate(request).await?;
+        Ok(GenerateStream::new(response.into_inner()))
+    }
+
+    /// Runs a Generate call to the end and gathers its output per completion (works with `stream` true or
+    /// false).
+    pub async fn complete(&self, request: impl IntoRequest<GenerateRequest>) -> Result<Completion> {
+        self.generate(request).await?.collect_completion().await
+    }
+
+    /// Embeds a batch of inputs (the server must serve an embedding model).
+    pub async fn embed(&self, request: impl IntoRequest<EmbedRequest>) -> Result<EmbedResponse> {
+        Ok(self.engine.clone().embed(self.unary(request)).await?.into_inner())
+    }
+
+    /// Tokenizes text or chat messages.
+    pub async fn tokenize(&self, request: impl IntoRequest<TokenizeRequest>) -> Result<TokenizeResponse> {
+        Ok(self.engine.clone().tokenize(self.unary(request)).await?.into_inner())
+    }
+
+    /// Decodes token ids to text (special tokens skipped unless the request says otherwise).
+    pub async fn detokenize(&self, request: impl IntoRequest<DetokenizeRequest>) -> Result<String> {
+        Ok(self.engine.clone().detokenize(self.unary(request)).await?.into_inner().text)
+    }
+
+    /// Aborts in-flight Generate requests by id; returns the ids that were in flight (unknown ids are ignored).
+    pub async fn abort<I, S>(&self, request_ids: I) -> Result<Vec<String>>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let request = AbortRequest { request_ids: request_ids.into_iter().map(Into::into).collect() };
+        Ok(self.engine.clone().abort(self.unary(request)).await?.into_inner().aborted_request_ids)
+    }
+
+    /// Describes the loaded model.
+    pub async fn model_info(&self) -> Result<GetModelInfoResponse> {
+        Ok(self.engine.clone().get_model_info(self.unary(GetModelInfoRequest {})).await?.into_inner())
+    }
+
+    /// Describes the server: version, state, load and limits.
+    pub async fn server_info(&self) -> Result<GetServerInfoResponse> {
+        Ok(self.engine.clone().get_server_info(self.unary(GetServerInfoRequest {})).await?.into_inner())
+    }
+
+    /// The server's current load and engine state (cheap; meant for frequent polling).
+    pub async fn load(&self) -> Result<GetLoadResponse> {
+        Ok(self.engine.clone().get_load(self.unary(GetLoadRequest {})).await?.into_inner())
+    }
+
+    /// `grpc.health.v1` status of `service`: `""` for the whole server, or [`ENGINE_SERVICE_NAME`].
+    /// A service the server does not know is an error with code NOT_FOUND.
+    pub async fn health(&self, service: &str) -> Result<ServingStatus> {
+        let request = HealthCheckRequest { service: service.to_owned() };
+        let response = self.health.clone().check(self.unary(request)).await?.into_inner();
+        Ok(response.status())
+    }
+
+    /// Applies the client's unary deadline unless the caller gave the request its own.
+    fn unary<T>(&self, request: impl IntoRequest<T>) -> tonic::Request<T> {
+        let mut request = request.into_request();
+        if let Some(timeout) = self.timeout {
+            if !request.metadata().contains_key("grpc-timeout") {
+                request.set_timeout(timeout);
+            }
+        }
+        request
+    }
+}

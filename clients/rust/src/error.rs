@@ -1,0 +1,59 @@
+//! The one error type of the SDK.
+
+use tonic::Code;
+
+/// Everything a call of this crate can fail with.
+///
+/// Server-side failures keep their gRPC status: match on [`Error::code`] (for example
+/// [`Code::InvalidArgument`] for a bad request, [`Code::Unauthenticated`] for a missing API key,
+/// [`Code::Unavailable`] while the server is starting or draining).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The server (or tonic on its behalf) answered with a non-OK gRPC status.
+    #[error("rpc failed: {}: {}", .0.code(), .0.message())]
+    Status(#[from] tonic::Status),
+    /// The connection could not be established (DNS, TCP, TLS handshake, HTTP/2 setup).
+    #[error("transport error: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    /// The client configuration is invalid (bad endpoint URI, unusable API key, bad TLS material).
+    #[error("invalid client configuration: {0}")]
+    InvalidConfig(String),
+    /// The server broke the contract (for example a Generate stream that ended without a finish reason).
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+}
+
+impl Error {
+    /// The gRPC status code that best describes this error.
+    ///
+    /// A [`Error::Status`] returns the server's code; a connection failure is [`Code::Unavailable`] (as tonic
+    /// reports it on calls over a broken channel), invalid configuration is [`Code::InvalidArgument`] and a
+    /// contract violation is [`Code::Internal`].
+    pub fn code(&self) -> Code {
+        match self {
+            Error::Status(status) => status.code(),
+            Error::Transport(_) => Code::Unavailable,
+            Error::InvalidConfig(_) => Code::InvalidArgument,
+            Error::Protocol(_) => Code::Internal,
+        }
+    }
+
+    /// The gRPC status, when the error came from one.
+    pub fn status(&self) -> Option<&tonic::Status> {
+        match self {
+            Error::Status(status) => Some(status),
+            _ => None,
+        }
+    }
+
+    /// Whether a retry on another connection or replica may succeed. True for UNAVAILABLE and
+    /// RESOURCE_EXHAUSTED (the contract says both are safe to retry, except for a Generate that already
+    /// streamed output) and for connection failures.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self.code(), Code::Unavailable | Code::ResourceExhausted)
+    }
+}
+
+/// The result type of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,203 @@
+//! Shortcuts for building requests. Raw prost messages work everywhere too; these only save typing.
+//!
+//! ```
+//! use engine_client::request;
+//!
+//! let req = request::text("Once upon a time").max_tokens(16).greedy().stream(true).build();
+//! assert_eq!(req.stopping.unwrap().max_tokens, Some(16));
+//! ```
+
+use engine_proto::engine::v1::{
+    embed_input, generate_request, tokenize_request, ChatMessage, ChatMessages, EmbedInput, EmbedRequest,
+    GenerateRequest, OutputOptions, SamplingParams, StoppingCriteria, TokenIds, TokenizeRequest,
+};
+
+/// A Generate request for a text prompt (tokenized by the server, special tokens added).
+pub fn text(prompt: impl Into<String>) -> GenerateRequestBuilder {
+    GenerateRequestBuilder::with_input(generate_request::Input::Text(prompt.into()))
+}
+
+/// A Generate request for a prompt of token ids, used as they are.
+pub fn token_ids(ids: impl Into<Vec<u32>>) -> GenerateRequestBuilder {
+    GenerateRequestBuilder::with_input(generate_request::Input::TokenIds(TokenIds { ids: ids.into() }))
+}
+
+/// A Generate request for a conversation of `(role, content)` turns, rendered with the model's chat template.
+pub fn chat<R, C>(turns: impl IntoIterator<Item = (R, C)>) -> GenerateRequestBuilder
+where
+    R: Into<String>,
+    C: Into<String>,
+{
+    let messages = turns
+        .into_iter()
+        .map(|(role, content)| ChatMessage { role: role.into(), content: content.into() })
+        .collect();
+    GenerateRequestBuilder::with_input(generate_request::Input::Chat(ChatMessages {
+        messages,
+        add_generation_prompt: None,
+    }))
+}
+
+/// An Embed request with one text input per item.
+pub fn embed_texts<S: Into<String>>(texts: impl IntoIterator<Item = S>) -> EmbedRequest {
+    let inputs = texts
+        .into_iter()
+        .map(|text| EmbedInput { input: Some(embed_input::Input::Text(text.into())) })
+        .collect();
+    EmbedRequest { inputs, normalize: None, add_special_tokens: None }
+}
+
+/// A Tokenize request for plain text (special tokens added, as the server's default).
+pub fn tokenize_text(text: impl Into<String>) -> TokenizeRequest {
+    TokenizeRequest { input: Some(tokenize_request::Input::Text(text.into())), ..TokenizeRequest::default() }
+}
+
+/// Builds a [`GenerateRequest`] field by field; unset fields keep the server's defaults.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[must_use = "call .build() to get the request"]
+pub struct GenerateRequestBuilder {
+    request: GenerateRequest,
+}
+
+impl GenerateRequestBuilder {
+    fn with_input(input: generate_request::Input) -> Self {
+        Self { request: GenerateRequest { input: Some(input), ..GenerateRequest::default() } }
+    }
+
+    fn sampling(&mut self) -> &mut SamplingParams {
+        self.request.sampling.get_or_insert_with(SamplingParams::default)
+    }
+
+    fn stopping(&mut self) -> &mut StoppingCriteria {
+        self.request.stopping.get_or_insert_with(StoppingCriteria::default)
+    }
+
+    fn output(&mut self) -> &mut OutputOptions {
+        self.request.output.get_or_insert_with(OutputOptions::default)
+    }
+
+    /// Names the request (needed to abort it by id). Default: the server assigns one.
+    pub fn request_id(mut self, request_id: impl Into<String>) -> Self {
+        self.request.request_id = request_id.into();
+        self
+    }
+
+    /// Stream tokens as they are generated instead of one final message.
+    pub fn stream(mut self, stream: bool) -> Self {
+        self.request.stream = stream;
+        self
+    }
+
+    /// Maximum tokens per completion.
+    pub fn max_tokens(mut self, max_tokens: u32) -> Self {
+        self.stopping().max_tokens = Some(max_tokens);
+        self
+    }
+
+    /// No end-of-sequence or stop token before this many tokens.
+    pub fn min_tokens(mut self, min_tokens: u32) -> Self {
+        self.stopping().min_tokens = min_tokens;
+        self
+    }
+
+    /// Stop strings (the matched one is cut from the text).
+    pub fn stop<S: Into<String>>(mut self, stop: impl IntoIterator<Item = S>) -> Self {
+        self.stopping().stop = stop.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Stop token ids (kept in the output).
+    pub fn stop_token_ids(mut self, ids: impl Into<Vec<u32>>) -> Self {
+        self.stopping().stop_token_ids = ids.into();
+        self
+    }
+
+    /// Keep generating past the end-of-sequence token.
+    pub fn ignore_eos(mut self, ignore_eos: bool) -> Self {
+        self.stopping().ignore_eos = ignore_eos;
+        self
+    }
+
+    /// Greedy decoding (temperature 0): deterministic output.
+    pub fn greedy(self) -> Self {
+        self.temperature(0.0)
+    }
+
+    /// Softmax temperature, >= 0.
+    pub fn temperature(mut self, temperature: f32) -> Self {
+        self.sampling().temperature = Some(temperature);
+        self
+    }
+
+    /// Nucleus sampling threshold, in (0, 1].
+    pub fn top_p(mut self, top_p: f32) -> Self {
+        self.sampling().top_p = Some(top_p);
+        self
+    }
+
+    /// Keep only the `top_k` most likely tokens (0 = off).
+    pub fn top_k(mut self, top_k: u32) -> Self {
+        self.sampling().top_k = Some(top_k);
+        self
+    }
+
+    /// Seed of the request's random generator.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.sampling().seed = Some(seed);
+        self
+    }
+
+    /// Number of completions, 1 to 16.
+    pub fn n(mut self, n: u32) -> Self {
+        self.sampling().n = Some(n);
+        self
+    }
+
+    /// Return each sampled token's logprob with this many alternatives (0 to 20).
+    pub fn logprobs(mut self, top: u32) -> Self {
+        self.output().logprobs = Some(top);
+        self
+    }
+
+    /// For text prompts: whether the server adds special tokens such as BOS (default true).
+    pub fn add_special_tokens(mut self, add: bool) -> Self {
+        self.request.add_special_tokens = Some(add);
+        self
+    }
+
+    /// The finished request.
+    pub fn build(self) -> GenerateRequest {
+        self.request
+    }
+}
+
+impl From<GenerateRequestBuilder> for GenerateRequest {
+    fn from(builder: GenerateRequestBuilder) -> Self {
+        builder.build()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builder_sets_only_what_was_asked() {
+        let req = token_ids([1, 2, 3]).request_id("a").n(2).seed(7).stop(["\n"]).logprobs(0).build();
+        assert_eq!(req.request_id, "a");
+        assert_eq!(req.input, Some(generate_request::Input::TokenIds(TokenIds { ids: vec![1, 2, 3] })));
+        let sampling = req.sampling.unwrap();
+        assert_eq!((sampling.n, sampling.seed, sampling.temperature), (Some(2), Some(7), None));
+        assert_eq!(req.stopping.unwrap().stop, ["\n"]);
+        assert_eq!(req.output.unwrap().logprobs, Some(0));
+        assert!(!req.stream);
+    }
+
+    #[test]
+    fn chat_and_text_inputs() {
+        let req = chat([("user", "hi")]).build();
+        let Some(generate_request::Input::Chat(chat)) = req.input else { panic!("not chat") };
+        assert_eq!(chat.messages[0].role, "user");
+        assert_eq!(text("x").greedy().build().sampling.unwrap().temperature, Some(0.0));
+    }
+}
