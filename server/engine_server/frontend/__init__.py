@@ -1,1 +1,1 @@
-"""frontend layer."""
+"""The asyncio frontend of the engine: the process boundary, detokenization, stop strings."""

@@ -1,0 +1,129 @@
+"""Typed messages exchanged over the pipe between the frontend and the engine core.
+
+The frontend sends a tuple of commands per write (everything queued in one event-loop tick);
+the core answers with one `StepOutput` per step (all its deltas and a fresh stats snapshot),
+plus a `CallReply` for each embed/stats call.
+
+NOTE: plain dataclasses of engine vocabulary only: they are pickled across a process boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine_server.engine.types import (
+    CompletionDelta,
+    EngineOverloaded,
+    EngineRequest,
+    EngineStats,
+    RequestError,
+)
+
+if TYPE_CHECKING:
+    from engine_server.engine.loader import ModelInfo
+
+
+# --- frontend -> core -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AddCommand:
+    request: EngineRequest
+
+
+@dataclass(frozen=True, slots=True)
+class AbortCommand:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedCommand:
+    call_id: int
+    inputs: list[list[int]]
+    normalize: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StatsCommand:
+    call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownCommand:
+    pass
+
+
+Command = AddCommand | AbortCommand | EmbedCommand | StatsCommand | ShutdownCommand
+
+
+# --- core -> frontend -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """An exception flattened for pickling; `to_exception` rebuilds the engine's error types."""
+
+    kind: str  # "request" | "overloaded" | "internal"
+    message: str
+    field_name: str = ""
+
+    @staticmethod
+    def from_exception(exc: BaseException) -> ErrorInfo:
+        if isinstance(exc, RequestError):
+            # RequestError's message is "field: detail"; keep only the detail to rebuild it.
+            detail = str(exc).removeprefix(f"{exc.field_name}: ")
+            return ErrorInfo("request", detail, exc.field_name)
+        if isinstance(exc, EngineOverloaded):
+            return ErrorInfo("overloaded", str(exc))
+        return ErrorInfo("internal", f"{type(exc).__name__}: {exc}")
+
+    def to_exception(self) -> Exception:
+        if self.kind == "request":
+            return RequestError(self.field_name, self.message)
+        if self.kind == "overloaded":
+            return EngineOverloaded(self.message)
+        return RuntimeError(self.message)
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Startup handshake: the model loaded."""
+
+    model_info: ModelInfo
+    stats: EngineStats
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFailed:
+    """Startup handshake: the model did not load (missing path, bad config, ...)."""
+
+    error_type: str
+    message: str
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """Everything one core iteration produced: one message per step, never per token."""
+
+    deltas: list[CompletionDelta]
+    stats: EngineStats
+    rejected: list[tuple[str, ErrorInfo]] = field(default_factory=list)  # (request_id, why)
+
+
+@dataclass(frozen=True, slots=True)
+class CallReply:
+    call_id: int
+    result: object = None
+    error: ErrorInfo | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CoreFailed:
+    """The core loop raised: it sends this, then exits."""
+
+    message: str
+    traceback: str
+
+
+CoreMessage = Ready | LoadFailed | StepOutput | CallReply | CoreFailed

@@ -1,0 +1,60 @@
+"""What the API layer hands to `AsyncEngine.generate` and what it gets back."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine_server.engine.types import FinishReason, RequestError, SamplingParams, TokenLogprob
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"  # the core is loading the model
+    SERVING = "serving"
+    DRAINING = "draining"  # in-flight requests finish; new ones are refused
+    FAILED = "failed"  # the core died or raised; nothing is served
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One generation request, already tokenized."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()  # stop strings, matched across token boundaries on the frontend
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True  # False: chunks carry token ids only (text is "")
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise RequestError("request_id", "must not be empty")
+        for stop in self.stop:
+            if not stop:
+                raise RequestError("stop", "stop strings must not be empty")
+
+
+@dataclass(slots=True)
+class CompletionChunk:
+    """News for one of the n completions; everything ready since the consumer last looked."""
+
+    index: int
+    token_ids: list[int]
+    text: str  # text delta ("" when detokenize=False)
+    logprobs: list[TokenLogprob] | None
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None  # the matched stop string, or the stop/EOS token id
+    num_completion_tokens: int  # cumulative for this index
+
+
+@dataclass(slots=True)
+class GenerateOutput:
+    request_id: str
+    chunks: list[CompletionChunk]  # only the completions with news, by index
+    num_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None  # only on the first output that has them
+    finished: bool  # all n completions finished
+    error: str | None = None  # set when the engine failed this request (a chunk has FinishReason.ERROR)

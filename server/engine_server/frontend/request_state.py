@@ -1,0 +1,214 @@
+"""Per-request frontend state: turns engine deltas into text (detokenizer + stop strings) and coalesces
+everything ready into one pending output, so a slow consumer wakes once per step, not once per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from engine_server.engine.types import CompletionDelta, FinishReason, TokenLogprob
+from engine_server.frontend.detokenizer import IncrementalDetokenizer
+from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest
+from engine_server.frontend.stop_strings import StopStringMatcher
+
+
+class _Completion:
+    __slots__ = ("detokenizer", "is_finished", "matcher", "num_tokens")
+
+    def __init__(self, request: GenerateRequest, backend: Any) -> None:
+        needs_text = request.detokenize or bool(request.stop)
+        self.detokenizer = (
+            IncrementalDetokenizer(backend, skip_special_tokens=request.skip_special_tokens)
+            if needs_text
+            else None
+        )
+        self.matcher = (
+            StopStringMatcher(request.stop, include_in_output=request.include_stop_str_in_output)
+            if request.stop
+            else None
+        )
+        self.num_tokens = 0
+        self.is_finished = False
+
+
+class RequestState:
+    """Everything the frontend tracks for one in-flight request."""
+
+    __slots__ = (
+        "_completions",
+        "_error_text",
+        "_has_news",
+        "_pending",
+        "_prompt_logprobs",
+        "_request",
+        "abort_sent",
+        "error",
+        "has_output",
+        "num_cached_prompt_tokens",
+        "num_engine_unfinished",
+        "num_prompt_tokens",
+        "num_unfinished",
+        "request_id",
+        "waiter",
+    )
+
+    def __init__(self, request: GenerateRequest, backend: Any) -> None:
+        self.request_id = request.request_id
+        self._request = request
+        n = request.params.n
+        self._completions = [_Completion(request, backend) for _ in range(n)]
+        self._pending: dict[int, CompletionChunk] = {}
+        self._has_news = False
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_cached_prompt_tokens = 0
+        self._prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.num_unfinished = n  # as the consumer sees it
+        self.num_engine_unfinished = n  # as the engine core sees it: the record lives until this is 0
+        self.has_output = False  # the engine produced something: the request is running, not waiting
+        self.waiter: asyncio.Future[None] | None = None  # set while the consumer waits for news
+        self.error: BaseException | None = None  # raised to the consumer after pending output
+        self._error_text: str | None = None
+        self.abort_sent = False  # the engine was told to abort it; its final deltas are still to come
+
+    # --- producer side (the engine's output task) ---------------------------------------------------
+
+    def process(self, delta: CompletionDelta) -> None:
+        """Apply one engine delta. Call `wake()` once after the whole step has been processed."""
+        self.has_output = True
+        finish = delta.finish_reason
+        if finish is not None:
+            self.num_engine_unfinished -= 1
+        if delta.index == 0 and delta.num_prompt_tokens:
+            self.num_prompt_tokens = delta.num_prompt_tokens
+            self.num_cached_prompt_tokens = delta.num_cached_prompt_tokens
+            if delta.prompt_logprobs is not None:
+                self._prompt_logprobs = delta.prompt_logprobs
+                self._has_news = True
+        completion = self._completions[delta.index]
+        if completion.is_finished:
+            return  # finished here first (a stop string, or an abort); the engine is catching up
+        token_ids = delta.new_token_ids
+        logprobs = delta.logprobs
+        stop_reason: str | int | None = None
+        text = ""
+        detokenizer = completion.detokenizer
+        if detokenizer is not None:
+            matcher = completion.matcher
+            if matcher is None:
+                text = detokenizer.add_many(token_ids) if token_ids else ""
+                if finish is not None:
+                    text += detokenizer.finish()
+            else:
+                # Token by token, so a stop string cuts the ids right after the token that completed it.
+                matched: str | None = None
+                for position, token_id in enumerate(token_ids):
+                    piece, matched = matcher.feed(detokenizer.add(token_id))
+                    text += piece
+                    if matched is not None:
+                        token_ids = token_ids[:position + 1]
+                        if logprobs is not None:
+                            logprobs = logprobs[:position + 1]
+                        break
+                if matched is None and finish is not None:
+                    piece, matched = matcher.feed(detokenizer.finish())
+                    text += piece if matched is not None else piece + matcher.flush()
+                if matched is not None:
+                    finish, stop_reason = FinishReason.STOP, matched
+            if not self._request.detokenize:
+                text = ""
+        if finish is not None and stop_reason is None:
+            stop_reason = delta.stop_token_id
+        if finish is FinishReason.ERROR:
+            self._error_text = delta.error or "the engine failed this request"
+        completion.num_tokens += len(token_ids)
+        if not token_ids and not text and finish is None:
+            return
+        self._add_chunk(delta.index, token_ids, text, logprobs, finish, stop_reason)
+        if finish is not None:
+            completion.is_finished = True
+            self.num_unfinished -= 1
+
+    def _add_chunk(
+        self,
+        index: int,
+        token_ids: list[int],
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish: FinishReason | None,
+        stop_reason: str | int | None,
+    ) -> None:
+        self._has_news = True
+        num_tokens = self._completions[index].num_tokens
+        chunk = self._pending.get(index)
+        if chunk is None:
+            self._pending[index] = CompletionChunk(
+                index, token_ids, text, logprobs, finish, stop_reason, num_tokens
+            )
+            return
+        chunk.token_ids.extend(token_ids)
+        chunk.text += text
+        if logprobs is not None:
+            if chunk.logprobs is None:
+                chunk.logprobs = list(logprobs)
+            else:
+                chunk.logprobs.extend(logprobs)
+        chunk.finish_reason = finish
+        chunk.stop_reason = stop_reason
+        chunk.num_completion_tokens = num_tokens
+
+    def finish_locally(self, reason: FinishReason, *, notify: bool) -> None:
+        """End every unfinished completion now (abort, shutdown); `notify` queues a final chunk for each."""
+        for index, completion in enumerate(self._completions):
+            if completion.is_finished:
+                continue
+            completion.is_finished = True
+            if notify:
+                self._add_chunk(index, [], "", None, reason, None)
+        self.num_unfinished = 0
+        self.wake()
+
+    def fail(self, error: BaseException) -> None:
+        """The request cannot continue (core died, or the core rejected it): the consumer gets `error`."""
+        self.num_engine_unfinished = 0
+        if self.num_unfinished == 0:
+            return  # already ended here (abort, stop string): the consumer has its final output
+        for completion in self._completions:
+            completion.is_finished = True
+        self.num_unfinished = 0
+        self.error = error
+        self.wake()
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # --- consumer side ------------------------------------------------------------------------------
+
+    @property
+    def has_news(self) -> bool:
+        return self._has_news
+
+    @property
+    def is_finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def take(self) -> GenerateOutput:
+        pending = self._pending
+        chunks = list(pending.values())
+        if len(chunks) > 1:
+            chunks.sort(key=_chunk_index)
+        pending.clear()
+        self._has_news = False
+        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
+        return GenerateOutput(
+            self.request_id, chunks, self.num_prompt_tokens, self.num_cached_prompt_tokens,
+            prompt_logprobs, self.num_unfinished == 0, self._error_text,
+        )
+
+
+def _chunk_index(chunk: CompletionChunk) -> int:
+    return chunk.index

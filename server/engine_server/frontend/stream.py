@@ -1,0 +1,83 @@
+"""The async iterator that `AsyncEngine.generate` returns: one request's coalesced outputs."""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from engine_server.frontend.outputs import GenerateOutput
+from engine_server.frontend.request_state import RequestState
+
+if TYPE_CHECKING:
+    from engine_server.frontend.async_engine import AsyncEngine
+
+
+class RequestStream:
+    """Yields GenerateOutput until the request finishes; raises the request's error if it fails.
+
+    Each `__anext__` returns everything that became ready since the previous one (coalesced).
+    Cancelling a waiting `__anext__`, calling `aclose()`, leaving `async with`, or dropping an unfinished
+    stream aborts the request in the engine.
+    """
+
+    __slots__ = ("__weakref__", "_engine", "_is_closed", "_state")
+
+    def __init__(self, engine: AsyncEngine, state: RequestState) -> None:
+        self._engine = engine
+        self._state = state
+        self._is_closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerateOutput:
+        state = self._state
+        while True:
+            if self._is_closed:
+                raise StopAsyncIteration
+            if state.has_news:
+                output = state.take()
+                if output.finished and state.error is None:
+                    self._is_closed = True
+                return output
+            if state.error is not None:
+                self._is_closed = True
+                raise state.error
+            if state.is_finished:
+                self._is_closed = True
+                raise StopAsyncIteration
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            state.waiter = waiter
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                state.waiter = None
+                self._is_closed = True
+                self._engine.cancel(state)
+                raise
+
+    async def aclose(self) -> None:
+        if not self._is_closed:
+            self._is_closed = True
+            self._engine.cancel(state=self._state)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        # NOTE: a safety net for an API layer that drops a stream without closing it; may run on any thread.
+        if not self._is_closed and not self._state.is_finished:
+            self._engine.cancel_threadsafe(self._state)
