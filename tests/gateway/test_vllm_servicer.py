@@ -239,3 +239,33 @@ async def test_optional_rpcs_are_unimplemented(client: VllmClient) -> None:
     with pytest.raises(GRPCError) as info:
         await client.unary("FlushCache", common_pb2.FlushCacheRequest(), common_pb2.FlushCacheResponse)
     assert info.value.status is Status.UNIMPLEMENTED
+
+
+async def test_before_the_engine_is_attached() -> None:
+    """The server listens while the model loads: unhealthy and UNAVAILABLE until `attach`."""
+    from engine_server.api.vllm_compat import VllmEngineServicer
+    from grpclib.client import Channel
+    from grpclib.server import Server
+
+    is_ready = False
+    servicer = VllmEngineServicer(is_ready=lambda: is_ready)
+    server = Server([servicer])
+    await server.start("127.0.0.1", 0)
+    channel = Channel("127.0.0.1", server._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    client = VllmClient(channel)
+    try:
+        health = await client.unary("HealthCheck", pb.HealthCheckRequest(), pb.HealthCheckResponse)
+        assert not health.healthy
+        with pytest.raises(GRPCError) as info:
+            await client.unary("GetModelInfo", pb.GetModelInfoRequest(), pb.GetModelInfoResponse)
+        assert info.value.status is Status.UNAVAILABLE
+        servicer.attach(FakeEngine(Path(__file__).parent))
+        health = await client.unary("HealthCheck", pb.HealthCheckRequest(), pb.HealthCheckResponse)
+        assert not health.healthy  # attached, but the server has not finished warming up
+        is_ready = True
+        health = await client.unary("HealthCheck", pb.HealthCheckRequest(), pb.HealthCheckResponse)
+        assert health.healthy
+    finally:
+        channel.close()
+        server.close()
+        await server.wait_closed()

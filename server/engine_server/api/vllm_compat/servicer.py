@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -58,13 +59,38 @@ def _model_type(model_path: str) -> str:
 
 
 class VllmEngineServicer(VllmEngineBase):
-    def __init__(self, engine: EngineHandle, options: VllmCompatOptions | None = None) -> None:
-        self._engine = engine
+    """Serves once an engine is attached (the server listens before the model is loaded); until then every
+    RPC but HealthCheck (which answers unhealthy) is UNAVAILABLE.
+    """
+
+    def __init__(
+        self,
+        engine: EngineHandle | None = None,
+        *,
+        options: VllmCompatOptions | None = None,
+        is_ready: Callable[[], bool] | None = None,
+    ) -> None:
         self._options = options or VllmCompatOptions()
+        self._is_ready = is_ready  # the server's own readiness (e.g. warmed up, not draining)
         self._start_time = time.time()
         self._last_receive_time = 0.0
-        self._model_type = _model_type(engine.model_info.model_path)
+        self._engine_or_none: EngineHandle | None = None
+        self._model_type = ""
         self._tokenizer_bundle: TokenizerBundle | None = None
+        if engine is not None:
+            self.attach(engine)
+
+    def attach(self, engine: EngineHandle) -> None:
+        self._engine_or_none = engine
+        self._model_type = _model_type(engine.model_info.model_path)
+        self._tokenizer_bundle = None
+
+    @property
+    def _engine(self) -> EngineHandle:
+        engine = self._engine_or_none
+        if engine is None:
+            raise GRPCError(Status.UNAVAILABLE, "the model is still loading")
+        return engine
 
     # --- generation ---------------------------------------------------------------------------------
 
@@ -123,10 +149,12 @@ class VllmEngineServicer(VllmEngineBase):
 
     async def HealthCheck(self, stream: RpcStream) -> None:
         await stream.recv_message()
-        state = self._engine.state
+        engine = self._engine_or_none
+        state = engine.state if engine is not None else EngineState.STARTING
         # NOTE: draining reports unhealthy so the gateway stops routing here while in-flight requests finish.
-        healthy = state is EngineState.SERVING
-        await stream.send_message(pb.HealthCheckResponse(healthy=healthy, message=f"engine {state.value}"))
+        healthy = state is EngineState.SERVING and (self._is_ready is None or self._is_ready())
+        message = f"engine {state.value}" if state is not EngineState.SERVING or healthy else "warming up"
+        await stream.send_message(pb.HealthCheckResponse(healthy=healthy, message=message))
 
     async def GetModelInfo(self, stream: RpcStream) -> None:
         await stream.recv_message()
@@ -205,6 +233,14 @@ class VllmEngineServicer(VllmEngineBase):
             await stream.send_message(common_pb2.GetTokenizerChunk(data=data, sha256=sha256))
 
 
-def vllm_handlers(engine: EngineHandle, *, options: VllmCompatOptions | None = None) -> list[object]:
-    """The servicers to add to the grpclib Server (beside engine.v1, on the same port)."""
-    return [VllmEngineServicer(engine, options)]
+def vllm_handlers(
+    engine: EngineHandle | None = None,
+    *,
+    options: VllmCompatOptions | None = None,
+    is_ready: Callable[[], bool] | None = None,
+) -> list[VllmEngineServicer]:
+    """The servicers to add to the grpclib Server (beside engine.v1, on the same port).
+
+    Pass `engine=None` when the server listens before the model is loaded, then `attach(engine)` each one.
+    """
+    return [VllmEngineServicer(engine, options=options, is_ready=is_ready)]
