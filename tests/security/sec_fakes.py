@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ class FakeEngine:
         async with asyncio.timeout(WAIT_S), self.changed:
             await self.changed.wait_for(predicate)
 
-    async def generate(self, request_id: str, num_tokens: int) -> AsyncIterator[int]:
+    async def generate(self, request_id: str, num_tokens: int) -> AsyncGenerator[int, None]:
         self.num_started += 1
         self.running.add(request_id)
         await self._notify()
@@ -71,7 +71,7 @@ class FakeEngineService(EngineServiceBase):
     async def Generate(self, stream: Stream[Any, Any]) -> None:
         request = await stream.recv_message()
         assert request is not None
-        num_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else -1
+        num_tokens = request.stopping.max_tokens if request.stopping.HasField("max_tokens") else -1
         responses = self.engine.generate(request.request_id, num_tokens)
         try:
             async for token_id in responses:
@@ -101,7 +101,7 @@ async def serve(config: SecurityConfig) -> AsyncIterator[Served]:
     server = build_server([FakeEngineService(engine), Health()], config)
     await server.start("127.0.0.1", 0, ssl=config.server_ssl_context())
     try:
-        assert server._server is not None
+        assert isinstance(server._server, asyncio.Server)
         port = server._server.sockets[0].getsockname()[1]
         yield Served(server, engine, port)
     finally:

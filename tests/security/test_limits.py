@@ -47,9 +47,12 @@ async def test_oversized_message_is_resource_exhausted_and_server_keeps_serving(
 async def test_message_larger_than_flow_control_window() -> None:
     # 6 MiB > the 4 MiB stream window: the server must answer before the client could finish sending.
     size = 6 << 20
-    async with serve(SecurityConfig(max_receive_message_size=LIMIT)) as served, grpc.aio.insecure_channel(
-        f"127.0.0.1:{served.port}", options=[("grpc.max_send_message_length", -1)]
-    ) as channel:
+    async with (
+        serve(SecurityConfig(max_receive_message_size=LIMIT)) as served,
+        grpc.aio.insecure_channel(
+            f"127.0.0.1:{served.port}", options=[("grpc.max_send_message_length", -1)]
+        ) as channel,
+    ):
         stub = engine_service_pb2_grpc.EngineServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Tokenize(TokenizeRequest(text="b" * size), timeout=WAIT_S)

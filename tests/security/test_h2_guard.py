@@ -1,0 +1,176 @@
+"""HTTP/2 abuse from a raw client: PING flood, rapid reset, control-frame floods -> GOAWAY and close.
+
+Every flood is bounded in frames and time; a well-behaved client on another connection is served throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from engine_proto.engine.v1 import generate_pb2
+from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
+from engine_proto.engine.v1.tokenize_pb2 import TokenizeRequest
+from engine_server.api.security import H2Policy, SecurityConfig
+from grpclib.client import Channel
+from h2.errors import ErrorCodes
+from sec_fakes import WAIT_S, Served, serve
+from sec_raw_h2 import RawH2, raw_h2
+
+TOKENIZE = "/engine.v1.EngineService/Tokenize"
+GENERATE = "/engine.v1.EngineService/Generate"
+
+
+class Bystander:
+    """A normal grpclib client calling Generate in a loop on its own connection."""
+
+    def __init__(self, port: int) -> None:
+        self.num_ok = 0
+        self._channel = Channel("127.0.0.1", port)
+        self._stub = EngineServiceStub(self._channel)
+
+    async def call(self) -> None:
+        request = generate_pb2.GenerateRequest(
+            request_id="bystander", stopping=generate_pb2.StoppingCriteria(max_tokens=3)
+        )
+        replies = await self._stub.Generate(request, timeout=WAIT_S)
+        assert [r.completions[0].token_ids[0] for r in replies] == [0, 1, 2]
+        self.num_ok += 1
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.call()
+
+
+@contextlib.asynccontextmanager
+async def bystander(port: int) -> AsyncIterator[Bystander]:
+    """Served before, during (at least one call while the block runs) and after the block."""
+    client = Bystander(port)
+    stop = asyncio.Event()
+    await client.call()
+    task = asyncio.get_running_loop().create_task(client.run(stop))
+    try:
+        yield client
+        num_before_stop = client.num_ok
+        stop.set()
+        await asyncio.wait_for(task, WAIT_S)
+        await client.call()
+        assert num_before_stop > 1, "the bystander was not served during the flood"
+    finally:
+        task.cancel()
+        client._channel.close()
+
+
+def assert_calm_goaway(raw: RawH2, reason: bytes) -> None:
+    assert raw.goaway is not None, "no GOAWAY"
+    assert raw.goaway.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    assert raw.goaway.additional_data == reason
+
+
+async def flood(raw: RawH2, queue_frames: object, *, max_batches: int, batch: int) -> int:
+    """Send batches of frames until the server hangs up; returns how many were sent."""
+    num_sent = 0
+    for _ in range(max_batches):
+        if raw.is_closed:
+            break
+        for _ in range(batch):
+            queue_frames()  # type: ignore[operator]
+        num_sent += batch
+        await raw.flush()
+    await raw.wait_closed()
+    return num_sent
+
+
+async def test_ping_flood_gets_goaway_after_a_few_pings() -> None:
+    async with serve(SecurityConfig()) as served, bystander(served.port), raw_h2(served.port) as raw:
+        started = time.monotonic()
+        payload = b"flood!!!"
+        num_sent = await flood(raw, lambda: raw.conn.ping(payload), max_batches=100, batch=1000)
+        assert_calm_goaway(raw, b"too_many_pings")
+        # grpc-core's policy: the 4th PING without data in between is one too many; their ACKs were dropped.
+        assert raw.num_ping_acks <= 3
+        assert num_sent <= 2000, "the server kept reading the flood"
+        assert time.monotonic() - started < 5
+        assert served.server.guard_stats.goaways == {"too_many_pings": 1}
+
+
+async def test_pings_between_responses_are_fine() -> None:
+    # BDP / keepalive pings from real clients come with traffic: every response resets the strikes.
+    async with serve(SecurityConfig()) as served, raw_h2(served.port) as raw:
+        for _ in range(10):
+            raw.conn.ping(b"12345678")
+            raw.conn.ping(b"87654321")
+            stream_id = raw.start_call(TOKENIZE, TokenizeRequest(text="x").SerializeToString())
+            await raw.flush()
+            await raw.wait_stream_done(stream_id)
+        assert raw.goaway is None
+        assert not raw.is_closed
+        assert raw.num_ping_acks == 20
+        assert served.server.guard_stats.goaways == {}
+
+
+async def _rapid_reset(served: Served, *, num_streams: int) -> RawH2:
+    message = generate_pb2.GenerateRequest(request_id="rr").SerializeToString()  # never finishes if run
+    async with raw_h2(served.port) as raw:
+        await flood(
+            raw,
+            lambda: raw.start_call(GENERATE, message, reset=True),
+            max_batches=num_streams // 100,
+            batch=100,
+        )
+        return raw
+
+
+async def test_rapid_reset_gets_goaway_and_never_reaches_the_engine() -> None:
+    policy = H2Policy()
+    async with serve(SecurityConfig(h2=policy)) as served, bystander(served.port):
+        started = time.monotonic()
+        raw = await _rapid_reset(served, num_streams=20_000)
+        assert_calm_goaway(raw, b"rapid_reset")
+        assert time.monotonic() - started < 10
+        stats = served.server.guard_stats
+        assert stats.goaways == {"rapid_reset": 1}
+        # Opened and reset in one read: dropped before grpclib made a handler, so the engine saw ~nothing.
+        assert stats.num_dropped_streams >= policy.reset_burst * 0.9
+        await served.engine.wait_for(lambda: not served.engine.running)
+        assert served.engine.num_started <= 10
+
+
+async def test_reset_of_running_streams_aborts_engine_requests() -> None:
+    # The slow variant: calls start (reach the engine), then the client resets them.
+    async with serve(SecurityConfig()) as served, raw_h2(served.port) as raw:
+        message = generate_pb2.GenerateRequest(request_id="slow").SerializeToString()
+        stream_ids = [raw.start_call(GENERATE, message) for _ in range(50)]
+        await raw.flush()
+        await served.engine.wait_for(
+            lambda: len(served.engine.running) == 1 and served.engine.num_started == 50
+        )
+        for stream_id in stream_ids:
+            raw.conn.reset_stream(stream_id, error_code=ErrorCodes.CANCEL)
+        await raw.flush()
+        await served.engine.wait_for(lambda: served.engine.num_aborted == 50 and not served.engine.running)
+        assert raw.goaway is None  # 50 cancellations are normal client behaviour
+        # ...and the connection still works.
+        stream_id = raw.start_call(TOKENIZE, TokenizeRequest(text="y").SerializeToString())
+        await raw.flush()
+        await raw.wait_stream_done(stream_id)
+        assert not raw.is_closed
+
+
+@pytest.mark.parametrize("frame", ["settings", "window_update", "unknown"])
+async def test_control_frame_flood_gets_goaway(frame: str) -> None:
+    async with serve(SecurityConfig()) as served, bystander(served.port), raw_h2(served.port) as raw:
+        if frame == "settings":
+            queue = lambda: raw.conn.update_settings({})  # noqa: E731
+        elif frame == "window_update":
+            queue = lambda: raw.conn.increment_flow_control_window(1)  # noqa: E731
+        else:
+            # Type 0xFA is unassigned: a peer must ignore it (grpclib alone raises NotImplementedError).
+            queue = lambda: raw.conn._data_to_send.extend(b"\x00\x00\x00\xfa\x00\x00\x00\x00\x00")  # noqa: E731
+        num_sent = await flood(raw, queue, max_batches=100, batch=500)
+        assert_calm_goaway(raw, b"control_frame_flood")
+        assert num_sent <= 3 * H2Policy().control_frame_burst
+        assert served.server.guard_stats.goaways == {"control_frame_flood": 1}

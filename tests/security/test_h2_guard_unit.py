@@ -1,0 +1,137 @@
+"""The guard's protocol fed byte by byte, without sockets: deterministic ordering of reads and task steps."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from engine_proto.engine.v1 import generate_pb2
+from engine_server.api.security import H2Policy
+from engine_server.api.security.h2_guard import GuardedServer
+from grpclib.protocol import H2Protocol
+from grpclib.server import Server
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.errors import ErrorCodes
+from h2.events import StreamReset
+from sec_fakes import WAIT_S, FakeEngine, FakeEngineService
+from sec_raw_h2 import grpc_frame, grpc_headers
+
+GENERATE = "/engine.v1.EngineService/Generate"
+MESSAGE = grpc_frame(generate_pb2.GenerateRequest(request_id="u").SerializeToString())
+
+
+class FakeTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self._is_closing = False
+
+    def write(self, data: Any) -> None:
+        self.written.extend(data)
+
+    def is_closing(self) -> bool:
+        return self._is_closing
+
+    def close(self) -> None:
+        self._is_closing = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+class Peer:
+    """The client side: an h2 state machine whose bytes we hand to the server protocol ourselves."""
+
+    def __init__(self, protocol: H2Protocol) -> None:
+        self.protocol = protocol
+        self.transport = FakeTransport()
+        protocol.connection_made(self.transport)
+        self.conn = H2Connection(H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.conn.initiate_connection()
+        self.send()
+        self.conn.receive_data(bytes(self.transport.written))  # server preface and SETTINGS
+        self.transport.written.clear()
+        self.send()  # SETTINGS ACK
+
+    def send(self) -> None:
+        self.protocol.data_received(self.conn.data_to_send())
+
+    def open(self, num_streams: int) -> list[int]:
+        stream_ids = []
+        for _ in range(num_streams):
+            stream_id = self.conn.get_next_available_stream_id()
+            self.conn.send_headers(stream_id, grpc_headers(1, GENERATE))
+            self.conn.send_data(stream_id, MESSAGE, end_stream=True)
+            stream_ids.append(stream_id)
+        self.send()
+        return stream_ids
+
+    def reset(self, stream_ids: list[int]) -> None:
+        for stream_id in stream_ids:
+            self.conn.reset_stream(stream_id, error_code=ErrorCodes.CANCEL)
+        self.send()
+
+    def received_resets(self) -> dict[int, int]:
+        events = self.conn.receive_data(bytes(self.transport.written))
+        self.transport.written.clear()
+        return {e.stream_id: e.error_code for e in events if isinstance(e, StreamReset)}
+
+
+async def _settle(protocol: H2Protocol) -> None:
+    # Wait (bounded) until every handler task of the connection is done, then let done-callbacks run.
+    handler: Any = protocol.handler
+    tasks = set(handler._tasks.values()) | set(handler._cancelled)
+    if tasks:
+        await asyncio.wait(tasks, timeout=WAIT_S)
+    await asyncio.sleep(0)
+
+
+async def test_streams_reset_before_their_handler_ran_are_released() -> None:
+    # grpclib alone leaks them: a task cancelled before its first step never runs the `finally` that
+    # releases its stream (and acknowledges its unread DATA), so they pile up until the connection closes.
+    for server_cls, expected_leak in ((Server, 10), (GuardedServer, 0)):
+        engine = FakeEngine()
+        server = server_cls([FakeEngineService(engine)])
+        peer = Peer(server._protocol_factory())
+        stream_ids = peer.open(10)  # one read: handler tasks created, not started
+        peer.reset(stream_ids)  # the next read, before the loop ran them
+        await _settle(peer.protocol)
+        assert len(peer.protocol.processor.streams) == expected_leak, server_cls
+        assert engine.num_started == 0
+
+
+async def test_unwinding_handlers_count_towards_the_stream_limit() -> None:
+    server = GuardedServer([FakeEngineService(FakeEngine())], policy=H2Policy(max_concurrent_streams=4))
+    peer = Peer(server._protocol_factory())
+    first = peer.open(4)
+    peer.reset(first)
+    second = peer.open(4)  # h2 sees 0 open streams, but 8 handlers have not finished yet
+    peer.reset(second)
+    refused = peer.open(2)
+    assert server.guard_stats.num_refused_streams == 2
+    assert peer.received_resets() == dict.fromkeys(refused, ErrorCodes.REFUSED_STREAM)
+    await _settle(peer.protocol)
+    assert not peer.protocol.processor.streams
+    accepted = peer.open(1)  # once they unwound, new streams are accepted again
+    assert list(peer.protocol.processor.streams) == accepted
+    assert server.guard_stats.num_refused_streams == 2
+    peer.protocol.connection_lost(None)
+    await _settle(peer.protocol)
+
+
+async def test_opened_and_reset_in_one_read_is_never_dispatched() -> None:
+    engine = FakeEngine()
+    server = GuardedServer([FakeEngineService(engine)])
+    peer = Peer(server._protocol_factory())
+    for _ in range(5):
+        stream_id = peer.conn.get_next_available_stream_id()
+        peer.conn.send_headers(stream_id, grpc_headers(1, GENERATE))
+        peer.conn.send_data(stream_id, MESSAGE, end_stream=True)
+        peer.conn.reset_stream(stream_id, error_code=ErrorCodes.CANCEL)
+    peer.send()
+    assert server.guard_stats.num_dropped_streams == 5
+    assert not peer.protocol.processor.streams
+    assert not peer.protocol.handler._tasks  # type: ignore[attr-defined]
+    await _settle(peer.protocol)
+    assert engine.num_started == 0
