@@ -48,7 +48,8 @@ def run(engine: LLMEngine, requests: list[EngineRequest], *, per_step: int | Non
 
 
 @torch.inference_mode()
-def reference_greedy(model: Any, prompts: list[list[int]], max_tokens: list[int], eos_id: int) -> list[list[int]]:
+def reference_greedy(model: Any, prompts: list[list[int]], max_tokens: list[int],
+                     eos_id: int) -> list[list[int]]:
     """model.generate(do_sample=False) per request; requests with equal prompt lengths share a batch
     (no padding, so each row is what the request alone would produce), then each row is cut at its
     own max_tokens and first EOS."""
