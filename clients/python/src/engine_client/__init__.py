@@ -1,3 +1,95 @@
-"""engine-client: typed Python client for the engine.v1 gRPC API."""
+"""engine-client: typed Python client (asyncio and sync) for the engine.v1 gRPC inference API.
+
+Example::
+
+    from engine_client import EngineClient
+
+    with EngineClient("127.0.0.1:50051") as client:
+        result = client.complete("Hello", max_tokens=16, temperature=0.0)
+        print(result.text, result.finish_reason, result.usage)
+"""
+
+from __future__ import annotations
+
+from .aio import AsyncEngineClient, AsyncGenerateStream
+from .errors import (
+    AuthenticationError,
+    DeadlineExceededError,
+    EngineError,
+    InternalError,
+    InvalidRequestError,
+    NotFoundError,
+    OverloadedError,
+    PermissionDeniedError,
+    RequestCancelledError,
+    StatusCode,
+    UnavailableError,
+    UnimplementedError,
+)
+from .options import DEFAULT_TARGET, ConnectionOptions, RetryPolicy, TLSConfig
+from .params import GenerateOptions, GenerateParams
+from .sync import EngineClient, GenerateStream
+from .types import (
+    Completion,
+    Embedding,
+    EmbedResult,
+    EngineState,
+    FinishReason,
+    GenerateChunk,
+    GenerateResult,
+    HealthStatus,
+    Load,
+    ModelInfo,
+    ModelTask,
+    ServerInfo,
+    ServerLimits,
+    TokenizeResult,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_TARGET",
+    "AsyncEngineClient",
+    "AsyncGenerateStream",
+    "AuthenticationError",
+    "Completion",
+    "ConnectionOptions",
+    "DeadlineExceededError",
+    "EmbedResult",
+    "Embedding",
+    "EngineClient",
+    "EngineError",
+    "EngineState",
+    "FinishReason",
+    "GenerateChunk",
+    "GenerateOptions",
+    "GenerateParams",
+    "GenerateResult",
+    "GenerateStream",
+    "HealthStatus",
+    "InternalError",
+    "InvalidRequestError",
+    "Load",
+    "ModelInfo",
+    "ModelTask",
+    "NotFoundError",
+    "OverloadedError",
+    "PermissionDeniedError",
+    "RequestCancelledError",
+    "RetryPolicy",
+    "ServerInfo",
+    "ServerLimits",
+    "StatusCode",
+    "TLSConfig",
+    "TokenLogprob",
+    "TokenizeResult",
+    "TopLogprob",
+    "UnavailableError",
+    "UnimplementedError",
+    "Usage",
+    "__version__",
+]

@@ -1,0 +1,232 @@
+"""EngineClient: the synchronous client (grpcio, upb ``_pb2`` messages on the hot path)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, TypeVar
+
+import grpc
+from engine_proto.engine.v1 import generate_pb2, info_pb2
+from engine_proto.engine.v1.engine_service_pb2_grpc import EngineServiceStub
+from google.protobuf import message
+
+from . import _convert
+from ._health import CHECK_METHOD, build_health_messages
+from ._requests import (
+    ChatMessage,
+    EmbedInput,
+    build_abort_request,
+    build_detokenize_request,
+    build_embed_request,
+    build_generate_request,
+    build_tokenize_request,
+)
+from ._sync_transport import open_channel, translate
+from .errors import UnavailableError
+from .options import DEFAULT_TARGET, ConnectionOptions, TLSConfig, fits, remaining, with_overrides
+from .params import GenerateOptions, GenerateParams, merge_params
+from .types import (
+    EmbedResult,
+    GenerateChunk,
+    GenerateResult,
+    HealthStatus,
+    Load,
+    ModelInfo,
+    ServerInfo,
+    TokenizeResult,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["EngineClient", "GenerateStream"]
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
+
+
+class GenerateStream:
+    """The chunks of one Generate call, as an iterator; closing it (or dropping it) cancels the RPC.
+
+    Example::
+
+        with client.generate("Hello", max_tokens=16) as stream:
+            for chunk in stream:
+                print(chunk.text, end="")
+        # leaving early (break, exception) cancels the request and the server aborts it
+    """
+
+    __slots__ = ("_chunks", "request_id")
+
+    def __init__(self, chunks: Iterator[GenerateChunk], request_id: str) -> None:
+        self._chunks = chunks
+        self.request_id = request_id  #: known before the first chunk, so another thread can abort it
+
+    def __iter__(self) -> GenerateStream:
+        return self
+
+    def __next__(self) -> GenerateChunk:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        """Cancel the call if it still runs (idempotent)."""
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> GenerateStream:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def collect(self) -> GenerateResult:
+        """Read the rest of the stream into one GenerateResult."""
+        collector = _convert.ResultCollector(self.request_id)
+        with self:
+            for chunk in self:
+                collector.add(chunk)
+        return collector.result()
+
+
+class EngineClient:
+    """Synchronous client for an engine.v1 server (thread-safe; one grpcio channel shared by all calls).
+
+    Example::
+
+        with EngineClient("127.0.0.1:50051") as client:
+            for chunk in client.generate("Hello", max_tokens=32, temperature=0.0):
+                print(chunk.text, end="", flush=True)
+            print(client.complete(token_ids=[1, 2, 3], max_tokens=4).token_ids)
+
+    ``client.stub`` is the raw grpcio ``EngineServiceStub`` (``_pb2`` messages) for power users.
+    """
+
+    def __init__(self, target: str | ConnectionOptions = DEFAULT_TARGET, *, api_key: str | None = None,
+                 tls: TLSConfig | None = None, timeout: float | None = None) -> None:
+        self.options = with_overrides(target, api_key=api_key, tls=tls, timeout=timeout)
+        self._metadata = self.options.metadata()
+        self.channel = open_channel(self.options)
+        self.stub = EngineServiceStub(self.channel)
+        self._health = build_health_messages()
+        self._health_check = self.channel.unary_unary(
+            CHECK_METHOD,
+            request_serializer=message.Message.SerializeToString,
+            response_deserializer=self._health.response_type.FromString,
+        )
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _unary(self, method: Callable[..., _Resp], request: _Req, timeout: float | None) -> _Resp:
+        # Every unary RPC of the contract is safe to repeat, so UNAVAILABLE is retried with backoff.
+        deadline = self.options.deadline(timeout)
+        delays = self.options.retry.delays()
+        while True:
+            try:
+                return method(request, timeout=remaining(deadline), metadata=self._metadata)
+            except grpc.RpcError as exc:
+                error = translate(exc)
+                delay = next(delays, None) if isinstance(error, UnavailableError) else None
+                if delay is None or not fits(deadline, delay):
+                    raise error from exc
+            time.sleep(delay)
+
+    def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
+                 messages: Sequence[ChatMessage] | None = None, request_id: str | None = None,
+                 stream: bool = True, timeout: float | None = None, params: GenerateParams | None = None,
+                 **options: Unpack[GenerateOptions]) -> GenerateStream:
+        """Stream the completion of ``prompt`` (text), ``token_ids`` or chat ``messages`` (exactly one).
+
+        Knobs are keywords (see :class:`GenerateParams`); None leaves a knob at the server's default.
+        ``request_id`` defaults to a fresh uuid4 hex, available as ``stream.request_id`` at once.
+        """
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        request = build_generate_request(prompt, token_ids=token_ids, messages=messages, request_id=rid,
+                                         stream=stream, params=merge_params(params, options))
+        return GenerateStream(self._generate(request, rid, timeout), rid)
+
+    def _generate(self, request: generate_pb2.GenerateRequest, request_id: str, timeout: float | None
+                  ) -> Iterator[GenerateChunk]:
+        deadline = self.options.deadline(timeout)
+        delays = self.options.retry.delays()
+        while True:
+            received = False
+            call = self.stub.Generate(request, timeout=remaining(deadline), metadata=self._metadata)
+            try:
+                for response in call:
+                    received = True
+                    yield from _convert.chunks(response)
+                return
+            except grpc.RpcError as exc:
+                error = translate(exc, request_id=request_id)
+                # NOTE: never re-run a Generate that already produced output: the caller saw those tokens.
+                retry = isinstance(error, UnavailableError) and not received
+                delay = next(delays, None) if retry else None
+                if delay is None or not fits(deadline, delay):
+                    raise error from exc
+            finally:
+                # Closing the generator early (break, GC, exception) lands here: cancel = abort on the server.
+                call.cancel()
+            time.sleep(delay)
+
+    def complete(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
+                 messages: Sequence[ChatMessage] | None = None, request_id: str | None = None,
+                 timeout: float | None = None, params: GenerateParams | None = None,
+                 **options: Unpack[GenerateOptions]) -> GenerateResult:
+        """Generate and return the whole result (one non-streaming response from the server)."""
+        return self.generate(prompt, token_ids=token_ids, messages=messages, request_id=request_id,
+                             stream=False, timeout=timeout, params=params, **options).collect()
+
+    def embed(self, inputs: str | Sequence[EmbedInput], *, normalize: bool | None = None,
+              add_special_tokens: bool | None = None, timeout: float | None = None) -> EmbedResult:
+        """One vector per input (a text or a list of token ids); the server must run an embedding model."""
+        request = build_embed_request(inputs, normalize=normalize, add_special_tokens=add_special_tokens)
+        return _convert.embed_result(self._unary(self.stub.Embed, request, timeout))
+
+    def tokenize(self, text: str | None = None, *, messages: Sequence[ChatMessage] | None = None,
+                 add_special_tokens: bool | None = None, add_generation_prompt: bool | None = None,
+                 return_offsets: bool = False, timeout: float | None = None) -> TokenizeResult:
+        request = build_tokenize_request(text, messages=messages, add_special_tokens=add_special_tokens,
+                                         add_generation_prompt=add_generation_prompt,
+                                         return_offsets=return_offsets)
+        return _convert.tokenize_result(self._unary(self.stub.Tokenize, request, timeout))
+
+    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
+                   timeout: float | None = None) -> str:
+        request = build_detokenize_request(token_ids, skip_special_tokens=skip_special_tokens)
+        return self._unary(self.stub.Detokenize, request, timeout).text
+
+    def abort(self, request_ids: str | Sequence[str], *, timeout: float | None = None) -> tuple[str, ...]:
+        """Abort in-flight Generate requests; returns the ids that were in flight. Unknown ids are ignored."""
+        response = self._unary(self.stub.Abort, build_abort_request(request_ids), timeout)
+        return tuple(response.aborted_request_ids)
+
+    def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        response = self._unary(self.stub.GetModelInfo, info_pb2.GetModelInfoRequest(), timeout)
+        return _convert.model_info(response)
+
+    def server_info(self, *, timeout: float | None = None) -> ServerInfo:
+        response = self._unary(self.stub.GetServerInfo, info_pb2.GetServerInfoRequest(), timeout)
+        return _convert.server_info(response)
+
+    def load(self, *, timeout: float | None = None) -> Load:
+        """The cheap load poll: running/waiting requests, KV cache usage, engine state."""
+        response = self._unary(self.stub.GetLoad, info_pb2.GetLoadRequest(), timeout)
+        return _convert.load(response.load, response.state)
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
+        """grpc.health.v1 Check for ``service`` ("" = the whole server, or "engine.v1.EngineService")."""
+        h = self._health
+        return h.status(self._unary(self._health_check, h.request(service), timeout))
