@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
-from h2.events import ConnectionTerminated, Event, PingAckReceived, StreamEnded, StreamReset
+from h2.events import ConnectionTerminated, Event, PingAckReceived, PingReceived, StreamEnded, StreamReset
 from h2.exceptions import ProtocolError
 from sec_fakes import WAIT_S
 
@@ -41,6 +41,8 @@ class RawH2:
         self.events: list[Event] = []
         self.goaway: ConnectionTerminated | None = None
         self.num_ping_acks = 0
+        self.num_pings = 0  # PINGs the server sent (keepalive)
+        self.is_mute = False  # True: answer nothing, not even PINGs (a peer that vanished without a FIN)
         self.num_bytes_received = 0
         self.closed = asyncio.Event()  # EOF, reset or an h2 error on the way in
         self._changed = asyncio.Condition()
@@ -58,11 +60,13 @@ class RawH2:
                 for event in events:
                     if isinstance(event, PingAckReceived):
                         self.num_ping_acks += 1
+                    elif isinstance(event, PingReceived):
+                        self.num_pings += 1
                     elif isinstance(event, ConnectionTerminated):
                         self.goaway = event
                 self.events.extend(events)
-                if not self.is_closed:
-                    self._writer.write(self.conn.data_to_send())  # SETTINGS ACKs etc.
+                if not self.is_closed and not self.is_mute:
+                    self._writer.write(self.conn.data_to_send())  # SETTINGS and PING ACKs
                 async with self._changed:
                     self._changed.notify_all()
         except (ConnectionError, ProtocolError):
@@ -102,6 +106,10 @@ class RawH2:
         if reset:
             self.conn.reset_stream(stream_id, error_code=ErrorCodes.CANCEL)
         return stream_id
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        async with asyncio.timeout(WAIT_S), self._changed:
+            await self._changed.wait_for(predicate)
 
     async def wait_stream_done(self, stream_id: int) -> None:
         def is_done() -> bool:
