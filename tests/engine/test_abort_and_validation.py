@@ -16,7 +16,7 @@ from engine_server.engine.types import (
     RequestError,
     SamplingParams,
 )
-from helpers import Collected, reference_greedy, run
+from helpers import Collected, reference_greedy
 
 
 def _prompt(seed: int, length: int) -> tuple[int, ...]:
@@ -31,11 +31,13 @@ def test_abort_running_waiting_and_prefilling_requests_frees_every_block(model_d
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     for i in range(8):
         engine.add_request(EngineRequest(f"a{i}", _prompt(i, 10 + 9 * i), params))
-    engine.add_request(EngineRequest("n", _prompt(99, 20), SamplingParams(n=3, temperature=1.0, max_tokens=50)))
+    n_params = SamplingParams(n=3, temperature=1.0, max_tokens=50)
+    engine.add_request(EngineRequest("n", _prompt(99, 20), n_params))
     out = Collected()
     for _ in range(4):
         out.add(engine.step())
-    assert engine.stats().num_running > 0 and engine.stats().num_waiting > 0
+    assert engine.stats().num_running > 0
+    assert engine.stats().num_waiting > 0
     aborted = engine.abort(["a0", "a3", "a7", "n", "missing"])
     assert aborted == ["a0", "a3", "a7", "n"]
     assert engine.abort(["a0"]) == []  # already being aborted
@@ -131,7 +133,7 @@ def test_waiting_queue_is_bounded(model_dir: Path) -> None:
 def test_missing_or_incomplete_model_dir_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLMEngine(EngineConfig(model=str(tmp_path / "nope")))
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         LLMEngine(EngineConfig(model=str(tmp_path)))
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="no weights"):

@@ -56,7 +56,9 @@ def test_n_greedy_completions_share_the_prompt_and_match_generate(engine: LLMEng
     want = reference_greedy(ref_model, [list(prompt)], [12], eos_id=EOS)[0]
     assert [got.tokens[("g", i)] for i in range(4)] == [want] * 4
     firsts = [d for d in got.deltas if d.num_prompt_tokens]
-    assert len(firsts) == 1 and firsts[0].index == 0 and firsts[0].num_prompt_tokens == 37
+    assert len(firsts) == 1
+    assert firsts[0].index == 0
+    assert firsts[0].num_prompt_tokens == 37
     assert engine.stats().num_free_blocks == free_at_start
 
 
@@ -79,10 +81,13 @@ def test_logprobs_match_reference_log_softmax(engine: LLMEngine, ref_model: Any)
         for top_id, top_lp in lp.top:
             assert top_lp == pytest.approx(row[top_id].item(), abs=LOGPROB_TOL)
     prompt_lps = next(d.prompt_logprobs for d in got.deltas if d.prompt_logprobs is not None)
-    assert prompt_lps is not None and len(prompt_lps) == len(prompt) and prompt_lps[0] is None
+    assert prompt_lps is not None
+    assert len(prompt_lps) == len(prompt)
+    assert prompt_lps[0] is None
     for p in range(1, len(prompt)):
         entry = prompt_lps[p]
-        assert entry is not None and entry.token_id == prompt[p]
+        assert entry is not None
+        assert entry.token_id == prompt[p]
         assert entry.logprob == pytest.approx(ref[p - 1, prompt[p]].item(), abs=LOGPROB_TOL)
         assert entry.rank == int((ref[p - 1] > ref[p - 1, prompt[p]]).sum()) + 1
         assert len(entry.top) == 3
@@ -108,7 +113,8 @@ def test_logit_bias_stop_ids_min_tokens_and_ignore_eos(engine: LLMEngine) -> Non
     prompt = _prompt(6, 12)
     requests = [
         # +100 on a token makes greedy pick it every time
-        EngineRequest("bias", prompt, SamplingParams(temperature=0.0, max_tokens=5, logit_bias=((77, 100.0),))),
+        EngineRequest("bias", prompt, SamplingParams(temperature=0.0, max_tokens=5,
+                                                     logit_bias=((77, 100.0),))),
         # ... and as a stop token id it ends the completion at once
         EngineRequest("stop", prompt, SamplingParams(temperature=0.0, max_tokens=5, logit_bias=((77, 100.0),),
                                                      stop_token_ids=(77,))),
@@ -120,13 +126,18 @@ def test_logit_bias_stop_ids_min_tokens_and_ignore_eos(engine: LLMEngine) -> Non
                                                     logit_bias=((EOS, 100.0),))),
     ]
     got = run(engine, requests)
-    assert got.tokens[("bias", 0)] == [77] * 5 and got.finish[("bias", 0)] is FinishReason.LENGTH
-    assert got.tokens[("stop", 0)] == [77] and got.finish[("stop", 0)] is FinishReason.STOP
+    assert got.tokens[("bias", 0)] == [77] * 5
+    assert got.finish[("bias", 0)] is FinishReason.LENGTH
+    assert got.tokens[("stop", 0)] == [77]
+    assert got.finish[("stop", 0)] is FinishReason.STOP
     stop_delta = next(d for d in got.deltas if d.request_id == "stop")
     assert stop_delta.stop_token_id == 77
-    assert got.tokens[("min", 0)][4] == EOS and EOS not in got.tokens[("min", 0)][:4]
-    assert got.finish[("min", 0)] is FinishReason.STOP and len(got.tokens[("min", 0)]) == 5
-    assert got.tokens[("ign", 0)] == [EOS] * 3 and got.finish[("ign", 0)] is FinishReason.LENGTH
+    assert got.tokens[("min", 0)][4] == EOS
+    assert EOS not in got.tokens[("min", 0)][:4]
+    assert got.finish[("min", 0)] is FinishReason.STOP
+    assert len(got.tokens[("min", 0)]) == 5
+    assert got.tokens[("ign", 0)] == [EOS] * 3
+    assert got.finish[("ign", 0)] is FinishReason.LENGTH
 
 
 def test_repetition_penalty_avoids_seen_tokens(engine: LLMEngine) -> None:
@@ -142,6 +153,7 @@ def test_max_model_len_ends_with_length(model_dir: Any) -> None:
     from engine_server.engine.config import EngineConfig
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=40, num_kv_blocks=16))
-    got = run(engine, [EngineRequest("long", _prompt(8, 30), SamplingParams(temperature=0.0, ignore_eos=True))])
+    params = SamplingParams(temperature=0.0, ignore_eos=True)  # no max_tokens: up to max_model_len
+    got = run(engine, [EngineRequest("long", _prompt(8, 30), params)])
     assert len(got.tokens[("long", 0)]) == 10
     assert got.finish[("long", 0)] is FinishReason.LENGTH

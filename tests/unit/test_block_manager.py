@@ -1,0 +1,93 @@
+"""Block manager: allocation, ref counts, prefix-cache hits, LRU eviction of cached free blocks."""
+
+from __future__ import annotations
+
+from engine_server.engine.block_manager import BlockManager
+from engine_server.engine.sequence import Sequence
+from engine_server.engine.types import SamplingParams
+
+
+def _seq(seq_id: int, tokens: list[int]) -> Sequence:
+    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", index=0, params=SamplingParams(),
+                    token_ids=list(tokens), num_prompt_tokens=len(tokens), max_tokens=16)
+
+
+def _compute_all(bm: BlockManager, seq: Sequence) -> None:
+    assert bm.ensure_blocks(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.register_full_blocks(seq)
+
+
+def test_allocate_and_free_returns_every_block() -> None:
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    seq = _seq(0, list(range(10)))
+    assert bm.ensure_blocks(seq, 10)
+    assert len(seq.block_table) == 3
+    assert bm.num_free_blocks == 5
+    assert bm.ensure_blocks(seq, 12)  # still fits in 3 blocks
+    assert bm.num_free_blocks == 5
+    assert not bm.ensure_blocks(seq, 40)  # would need 10 blocks: refused, nothing changes
+    assert len(seq.block_table) == 3
+    bm.free(seq)
+    assert bm.num_free_blocks == 8
+    assert seq.block_table == []
+
+
+def test_prefix_hit_shares_full_blocks_and_keeps_the_last_token_uncached() -> None:
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    first = _seq(0, list(range(12)))
+    _compute_all(bm, first)
+    second = _seq(1, [*list(range(10)), 99, 98])
+    cached, hashes = bm.match_prefix(second)
+    assert cached == first.block_table[:2]  # [0..3], [4..7] match; [8, 9, 99, 98] does not
+    assert bm.can_admit(cached, second.num_tokens)
+    bm.admit(second, cached, hashes)
+    assert second.num_computed_tokens == 8
+    assert [bm.ref_counts[b] for b in cached] == [2, 2]
+    # Identical 12-token prompt: at most 11 tokens may hit, so only 2 of the 3 full blocks do.
+    third = _seq(2, list(range(12)))
+    assert len(bm.match_prefix(third)[0]) == 2
+    bm.free(first)
+    bm.free(second)
+    assert bm.num_free_blocks == 16
+
+
+def test_cached_free_blocks_are_reused_on_hit_and_evicted_lru() -> None:
+    bm = BlockManager(4, 2, enable_prefix_caching=True)
+    a = _seq(0, [1, 2, 3, 4, 5])
+    _compute_all(bm, a)
+    bm.free(a)
+    assert bm.num_free_blocks == 4
+    b = _seq(1, [1, 2, 3, 4, 7])
+    cached, hashes = bm.match_prefix(b)
+    assert len(cached) == 2  # reused from the free list
+    bm.admit(b, cached, hashes)
+    assert bm.num_free_blocks == 2
+    bm.free(b)
+    # Fill the cache with other content: the old prefix gets evicted.
+    c = _seq(2, [9, 9, 8, 8, 7, 7, 6, 6])
+    _compute_all(bm, c)
+    assert bm.match_prefix(_seq(3, [1, 2, 3, 4, 5]))[0] == []
+    bm.free(c)
+    assert bm.num_free_blocks == 4
+
+
+def test_no_prefix_caching_means_no_hits() -> None:
+    bm = BlockManager(8, 2, enable_prefix_caching=False)
+    a = _seq(0, [1, 2, 3, 4, 5])
+    _compute_all(bm, a)
+    assert bm.match_prefix(_seq(1, [1, 2, 3, 4, 5]))[0] == []
+
+
+def test_share_for_n_siblings_counts_references() -> None:
+    bm = BlockManager(8, 2, enable_prefix_caching=False)
+    parent = _seq(0, [1, 2, 3, 4, 5])
+    _compute_all(bm, parent)
+    child = _seq(1, [1, 2, 3, 4, 5])
+    bm.share(parent, child, 2)
+    assert child.block_table == parent.block_table[:2]
+    assert child.num_computed_tokens == 4
+    bm.free(parent)
+    assert bm.num_free_blocks == 8 - 2  # the shared blocks are still the child's
+    bm.free(child)
+    assert bm.num_free_blocks == 8
