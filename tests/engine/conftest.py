@@ -20,8 +20,8 @@ def ref_model(model_dir: Path) -> Any:
     """The same weights through plain transformers (sdpa attention): the reference."""
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32,
-                                                 attn_implementation="sdpa")
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), local_files_only=True, dtype=torch.float32, attn_implementation="sdpa")
     return model.eval()
 
 
