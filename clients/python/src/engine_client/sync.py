@@ -48,6 +48,10 @@ _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
 
 
+def _serialize(msg: message.Message) -> bytes:
+    return msg.SerializeToString()
+
+
 class GenerateStream:
     """The chunks of one Generate call, as an iterator; closing it (or dropping it) cancels the RPC.
 
@@ -115,7 +119,7 @@ class EngineClient:
         self._health = build_health_messages()
         self._health_check = self.channel.unary_unary(
             CHECK_METHOD,
-            request_serializer=message.Message.SerializeToString,
+            request_serializer=_serialize,
             response_deserializer=self._health.response_type.FromString,
         )
 
