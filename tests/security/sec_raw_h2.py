@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import struct
 from collections.abc import AsyncIterator, Callable
+from ssl import SSLContext
 
 from h2.config import H2Configuration
 from h2.connection import H2Connection
@@ -19,22 +20,35 @@ def grpc_frame(message: bytes) -> bytes:
     return struct.pack(">?I", False, len(message)) + message
 
 
-def grpc_headers(port: int, path: str) -> list[tuple[str, str]]:
+def grpc_headers(
+    port: int, path: str, *, scheme: str = "http", metadata: tuple[tuple[str, str], ...] = ()
+) -> list[tuple[str, str]]:
     return [
         (":method", "POST"),
-        (":scheme", "http"),
+        (":scheme", scheme),
         (":path", path),
         (":authority", f"127.0.0.1:{port}"),
         ("content-type", "application/grpc"),
         ("te", "trailers"),
+        *metadata,
     ]
 
 
 class RawH2:
     """Writes frames as the test dictates; a reader task records the server's events."""
 
-    def __init__(self, port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        port: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        is_tls: bool = False,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.port = port
+        self._scheme = "https" if is_tls else "http"
+        self._metadata = metadata
         self.conn = H2Connection(H2Configuration(client_side=True, header_encoding="utf-8"))
         self._reader = reader
         self._writer = writer
@@ -101,7 +115,8 @@ class RawH2:
     def start_call(self, path: str, message: bytes, *, reset: bool = False) -> int:
         """Queue a unary call (HEADERS + DATA); with reset, cancel it at once (rapid reset)."""
         stream_id = self.conn.get_next_available_stream_id()
-        self.conn.send_headers(stream_id, grpc_headers(self.port, path))
+        headers = grpc_headers(self.port, path, scheme=self._scheme, metadata=self._metadata)
+        self.conn.send_headers(stream_id, headers)
         self.conn.send_data(stream_id, grpc_frame(message), end_stream=True)
         if reset:
             self.conn.reset_stream(stream_id, error_code=ErrorCodes.CANCEL)
@@ -122,9 +137,12 @@ class RawH2:
 
 
 @contextlib.asynccontextmanager
-async def raw_h2(port: int) -> AsyncIterator[RawH2]:
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), WAIT_S)
-    raw = RawH2(port, reader, writer)
+async def raw_h2(
+    port: int, *, ssl: SSLContext | None = None, metadata: tuple[tuple[str, str], ...] = ()
+) -> AsyncIterator[RawH2]:
+    """A raw connection; `metadata` goes on every call (e.g. the API key)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, ssl=ssl), WAIT_S)
+    raw = RawH2(port, reader, writer, is_tls=ssl is not None, metadata=metadata)
     raw.conn.initiate_connection()
     raw._read_task = asyncio.get_running_loop().create_task(raw._read_loop())
     try:
