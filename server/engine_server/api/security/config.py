@@ -80,8 +80,8 @@ class SecurityConfig:
     # Services callable without the key (full names); probes must reach health.
     auth_exempt_services: tuple[str, ...] = (HEALTH_SERVICE,)
     max_receive_message_size: int = 4 * _MiB
-    # Server PINGs connections with calls in flight after this much silence; no PING ACK within
-    # keepalive_timeout_s closes the connection (and so cancels its calls). None: never ping.
+    # The server PINGs each connection with calls in flight this often (grpclib: a fixed timer, traffic or
+    # not); no PING ACK within keepalive_timeout_s closes it and cancels its calls. None: never ping.
     keepalive_time_s: float | None = 60.0
     keepalive_timeout_s: float = 20.0
     h2: H2Policy = H2Policy()
