@@ -7,6 +7,7 @@ from typing import Any
 
 from engine_proto.engine.v1 import generate_pb2
 from engine_server.api.security import H2Policy
+from engine_server.api.security.budget import TokenBucket
 from engine_server.api.security.h2_guard import GuardedServer
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server
@@ -135,3 +136,13 @@ async def test_opened_and_reset_in_one_read_is_never_dispatched() -> None:
     assert not peer.protocol.handler._tasks  # type: ignore[attr-defined]
     await _settle(peer.protocol)
     assert engine.num_started == 0
+
+
+def test_token_bucket_refills_up_to_burst() -> None:
+    bucket = TokenBucket(burst=3, rate_per_s=10.0, now=0.0)
+    assert [bucket.take(0.0) for _ in range(4)] == [True, True, True, False]
+    assert bucket.take(0.1)  # one token back after 0.1 s
+    assert not bucket.take(0.1)
+    assert [bucket.take(100.0) for _ in range(4)] == [True, True, True, False]  # never above the burst
+    bucket.credit(2)
+    assert [bucket.take(100.0) for _ in range(3)] == [True, True, False]

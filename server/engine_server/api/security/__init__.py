@@ -15,7 +15,7 @@ Interface (what the server assembly calls; everything is keyword-only after the 
     server = build_server(handlers, config)    # grpclib Server subclass (h2_guard.GuardedServer) with the
                                                # API-key check, message-size limit and h2 guard installed
     await server.start(host, port, ssl=config.server_ssl_context())  # None when TLS is off
-    server.guard_stats                         # h2_guard.GuardStats: GOAWAYs by reason, refused streams
+    server.guard_stats                         # budget.GuardStats: GOAWAYs by reason, refused streams
 
 Building blocks (usable on their own):
     tls.build_server_ssl_context(*, cert_file, key_file, client_ca_file=None) -> ssl.SSLContext
@@ -30,7 +30,8 @@ Building blocks (usable on their own):
         A request message whose length prefix exceeds the limit -> RESOURCE_EXHAUSTED before its body is
         buffered; the connection and the server keep serving.
     h2_guard.GuardedServer(handlers, *, policy=H2Policy(), **grpclib Server kwargs)
-        PING flood / rapid reset / control-frame floods -> GOAWAY(ENHANCE_YOUR_CALM) + close; see h2_guard.py.
+        PING flood / rapid reset / control-frame floods -> GOAWAY(ENHANCE_YOUR_CALM) + close; idle connections
+        -> GOAWAY(NO_ERROR) + close; see h2_guard.py.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from typing import Any
 from grpclib._typing import IServable
 
 from engine_server.api.security.auth import install_api_key_check, resolve_api_key
+from engine_server.api.security.budget import GuardStats
 from engine_server.api.security.config import HEALTH_SERVICE, REFLECTION_SERVICES, H2Policy, SecurityConfig
-from engine_server.api.security.h2_guard import GuardedServer, GuardStats
+from engine_server.api.security.h2_guard import GuardedServer
 from engine_server.api.security.limits import install_message_size_limit
 
 __all__ = [

@@ -46,6 +46,9 @@ class H2Policy:
     # SETTINGS / PRIORITY frames and unsolicited WINDOW_UPDATEs (those not paid for by DATA we sent).
     control_frame_burst: int = 1000
     control_frame_rate_per_s: float = 100.0
+    # A connection without calls for this long gets GOAWAY(NO_ERROR) and is closed: bounds sockets held by
+    # clients that connect and never call (or never even finish the HTTP/2 preface). None: never.
+    max_connection_idle_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_concurrent_streams <= (1 << 31) - 1:
@@ -61,6 +64,8 @@ class H2Policy:
         if self.control_frame_burst < 1:
             raise ValueError(f"control_frame_burst must be >= 1, got {self.control_frame_burst}")
         _check_positive("control_frame_rate_per_s", self.control_frame_rate_per_s)
+        if self.max_connection_idle_s is not None:
+            _check_positive("max_connection_idle_s", self.max_connection_idle_s)
 
 
 @dataclass(frozen=True, slots=True)

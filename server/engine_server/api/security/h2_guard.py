@@ -15,6 +15,7 @@ grpclib sees it:
    (`control_frame_burst`, `control_frame_rate_per_s`); empty -> GOAWAY.
 A GOAWAY here is ENHANCE_YOUR_CALM with the reason as debug data; the connection is then closed (its calls
 are cancelled, which aborts their engine requests). Other connections are unaffected.
+5) A connection without calls for `max_connection_idle_s` gets GOAWAY(NO_ERROR, "idle") and is closed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -46,6 +46,7 @@ from h2.events import (
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
 
+from engine_server.api.security.budget import GuardStats, TokenBucket
 from engine_server.api.security.config import H2Policy
 
 log = logging.getLogger(__name__)
@@ -54,39 +55,6 @@ log = logging.getLogger(__name__)
 # connection; grpclib's own client sends both for every frame it reads).
 _WINDOW_UPDATES_PER_DATA_FRAME = 2
 _CONTROL_EVENTS = (RemoteSettingsChanged, PriorityUpdated, WindowUpdated, UnknownFrameReceived)
-
-
-@dataclass(slots=True)
-class GuardStats:
-    """Counters of one server, for metrics and tests."""
-
-    goaways: dict[str, int] = field(default_factory=dict)  # reason -> connections closed
-    num_refused_streams: int = 0
-    num_dropped_streams: int = 0  # opened and reset in one batch: never dispatched
-
-    def count_goaway(self, reason: str) -> None:
-        self.goaways[reason] = self.goaways.get(reason, 0) + 1
-
-
-class TokenBucket:
-    __slots__ = ("_burst", "_last", "_rate", "_tokens")
-
-    def __init__(self, *, burst: float, rate_per_s: float, now: float) -> None:
-        self._burst = burst
-        self._rate = rate_per_s
-        self._tokens = burst
-        self._last = now
-
-    def take(self, now: float) -> bool:
-        self._tokens = min(self._burst, self._tokens + (now - self._last) * self._rate)
-        self._last = now
-        if self._tokens < 1.0:
-            return False
-        self._tokens -= 1.0
-        return True
-
-    def credit(self, num_tokens: float) -> None:
-        self._tokens = min(self._burst, self._tokens + num_tokens)
 
 
 class GuardedEventsProcessor(EventsProcessor):
@@ -135,6 +103,9 @@ class GuardedH2Protocol(H2Protocol):
         self._last_ping_at: float | None = None
         self._num_ping_strikes = 0
         now = time.monotonic()
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._last_active = now
+        self._streams_started_at_check = 0
         self._resets = TokenBucket(burst=policy.reset_burst, rate_per_s=policy.reset_rate_per_s, now=now)
         self._control = TokenBucket(
             burst=policy.control_frame_burst, rate_per_s=policy.control_frame_rate_per_s, now=now
@@ -151,6 +122,29 @@ class GuardedH2Protocol(H2Protocol):
         self._h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: self._policy.max_concurrent_streams})
         self.connection.flush()
         self._wrap_send_hooks()
+        self._schedule_idle_check()
+
+    def _schedule_idle_check(self) -> None:
+        idle_s = self._policy.max_connection_idle_s
+        if idle_s is not None and not self._is_closed:
+            # Checked a few times per period: the connection closes between idle_s and 1.25 idle_s.
+            self._idle_timer = asyncio.get_running_loop().call_later(idle_s / 4, self._check_idle)
+
+    def _check_idle(self) -> None:
+        idle_s = self._policy.max_connection_idle_s
+        if self._is_closed or idle_s is None:
+            return
+        now = time.monotonic()
+        num_started = self.connection.streams_started
+        if self.processor.streams or num_started != self._streams_started_at_check:
+            self._last_active = now
+            self._streams_started_at_check = num_started
+        elif now - self._last_active >= idle_s:
+            log.debug("closing idle HTTP/2 connection from %s", self._peer())
+            self._send_goaway(ErrorCodes.NO_ERROR, "idle")
+            self._close("idle", flush=True)
+            return
+        self._schedule_idle_check()
 
     def _wrap_send_hooks(self) -> None:
         # grpclib calls these on every HEADERS / DATA frame it sends; instance attributes shadow the methods.
@@ -190,6 +184,8 @@ class GuardedH2Protocol(H2Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._is_closed = True
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         super().connection_lost(exc)
 
     def _screen(self, events: list[Event]) -> list[Event] | None:
@@ -248,19 +244,23 @@ class GuardedH2Protocol(H2Protocol):
             log.debug("could not refuse stream %d", stream_id, exc_info=True)
 
     def _goaway(self, reason: str) -> None:
-        self._stats.count_goaway(reason)
         log.warning("closing HTTP/2 connection from %s: %s (GOAWAY ENHANCE_YOUR_CALM)", self._peer(), reason)
-        h2_conn = self._h2
         # Drop what h2 queued for this batch (thousands of PING ACKs in a flood): only the GOAWAY goes out.
-        h2_conn.clear_outbound_data_buffer()
+        self._h2.clear_outbound_data_buffer()
+        self._send_goaway(ErrorCodes.ENHANCE_YOUR_CALM, reason)
+        self._close(reason, flush=True)
+
+    def _send_goaway(self, error_code: ErrorCodes, reason: str) -> None:
+        self._stats.count_goaway(reason)
         try:
-            h2_conn.close_connection(error_code=ErrorCodes.ENHANCE_YOUR_CALM, additional_data=reason.encode())
+            self._h2.close_connection(error_code=error_code, additional_data=reason.encode())
         except ProtocolError:
             log.debug("GOAWAY not sent: connection already closing", exc_info=True)
-        self._close(reason, flush=True)
 
     def _close(self, reason: str, *, flush: bool) -> None:
         self._is_closed = True
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         if flush and not self.connection.is_closing():
             self.connection.flush()
         # Closes the transport after its buffer drains and cancels every handler of this connection.
