@@ -1,0 +1,225 @@
+"""protobuf -> engine dataclasses: validation with proto field names and the contract's defaults.
+
+The one place that reads request messages. Every error is a RequestError naming the proto field
+("sampling.top_p: must be in (0, 1]"); unset `optional` fields take the defaults written in the .proto.
+The reverse direction (engine outputs -> response messages) is in `responses.py`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from engine_server.engine.types import RequestError, SamplingParams
+from engine_server.frontend.outputs import GenerateRequest
+
+if TYPE_CHECKING:
+    from engine_proto.engine.v1 import embed_pb2, generate_pb2, tokenize_pb2
+
+    from engine_server.api.handle import TokenizerHandle
+    from engine_server.engine.loader import ModelInfo
+
+MAX_REQUEST_ID_CHARS = 128
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_EMBED_INPUTS = 256
+MAX_ABORT_IDS = 1024
+
+# SamplingParams validates its own ranges with the engine's names; these are their proto paths.
+_PROTO_FIELD = {
+    "n": "sampling.n", "temperature": "sampling.temperature", "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k", "min_p": "sampling.min_p", "repetition_penalty": "sampling.repetition_penalty",
+    "presence_penalty": "sampling.presence_penalty", "frequency_penalty": "sampling.frequency_penalty",
+    "min_tokens": "stopping.min_tokens", "max_tokens": "stopping.max_tokens",
+    "logprobs": "output.logprobs", "prompt_logprobs": "output.prompt_logprobs",
+}
+
+
+def proto_field_name(engine_field: str) -> str:
+    """The proto path of an engine field name (`logit_bias[5]` -> `sampling.logit_bias[5]`)."""
+    if engine_field.startswith("logit_bias"):
+        return "sampling." + engine_field
+    return _PROTO_FIELD.get(engine_field, engine_field)
+
+
+def _renamed(error: RequestError) -> RequestError:
+    name = proto_field_name(error.field_name)
+    message = str(error).removeprefix(f"{error.field_name}: ")
+    return RequestError(name, message)
+
+
+def check_token_ids(ids: Sequence[int], *, field: str, vocab_size: int) -> None:
+    # NOTE: max() runs in C; only a bad request pays for the search of the offending position.
+    if ids and max(ids) >= vocab_size:
+        position = next(i for i, token_id in enumerate(ids) if token_id >= vocab_size)
+        raise RequestError(f"{field}[{position}]",
+                           f"{ids[position]} is outside the vocabulary (size {vocab_size})")
+
+
+def chat_prompt(chat: generate_pb2.ChatMessages, tokenizer: TokenizerHandle, *, field: str) -> list[int]:
+    messages = chat.messages
+    if not messages:
+        raise RequestError(f"{field}.messages", "at least one message is required")
+    turns = []
+    for i, message in enumerate(messages):
+        if not message.role:
+            raise RequestError(f"{field}.messages[{i}].role", "is required")
+        turns.append((message.role, message.content))
+    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    try:
+        return tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
+    except RequestError as exc:
+        raise RequestError(f"{field}.messages", str(exc).removeprefix(f"{exc.field_name}: ")) from None
+
+
+def _prompt_ids(msg: generate_pb2.GenerateRequest, tokenizer: TokenizerHandle, vocab_size: int) -> list[int]:
+    kind = msg.WhichOneof("input")
+    if kind == "token_ids":
+        ids = list(msg.token_ids.ids)
+        check_token_ids(ids, field="token_ids.ids", vocab_size=vocab_size)
+        field = "token_ids.ids"
+    elif kind == "text":
+        add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
+        ids = tokenizer.encode(msg.text, add_special_tokens=add_special).token_ids
+        field = "text"
+    elif kind == "chat":
+        ids = chat_prompt(msg.chat, tokenizer, field="chat")
+        field = "chat"
+    else:
+        raise RequestError("input", "exactly one of token_ids, text or chat must be set")
+    if not ids:
+        raise RequestError(field, "the prompt must have at least one token")
+    return ids
+
+
+def _sampling_params(msg: generate_pb2.GenerateRequest, *, vocab_size: int) -> SamplingParams:
+    s, stop, out = msg.sampling, msg.stopping, msg.output
+    n = s.n if s.HasField("n") else 1
+    if not 1 <= n <= MAX_N:
+        raise RequestError("sampling.n", f"must be in [1, {MAX_N}], got {n}")
+    for token_id in s.logit_bias:
+        if token_id >= vocab_size:
+            raise RequestError(f"sampling.logit_bias[{token_id}]",
+                               f"token id is outside the vocabulary (size {vocab_size})")
+    check_token_ids(stop.stop_token_ids, field="stopping.stop_token_ids", vocab_size=vocab_size)
+    try:
+        return SamplingParams(
+            n=n,
+            temperature=s.temperature if s.HasField("temperature") else 1.0,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            top_k=s.top_k if s.HasField("top_k") else 0,
+            min_p=s.min_p if s.HasField("min_p") else 0.0,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+            frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+            seed=s.seed if s.HasField("seed") else None,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
+            min_tokens=stop.min_tokens,
+            max_tokens=stop.max_tokens if stop.HasField("max_tokens") else None,
+            stop_token_ids=tuple(stop.stop_token_ids),
+            ignore_eos=stop.ignore_eos,
+            logprobs=out.logprobs if out.HasField("logprobs") else None,
+            prompt_logprobs=out.prompt_logprobs if out.HasField("prompt_logprobs") else None,
+        )
+    except RequestError as exc:
+        raise _renamed(exc) from None
+
+
+def _stop_strings(stopping: generate_pb2.StoppingCriteria) -> tuple[str, ...]:
+    stops = tuple(stopping.stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError("stopping.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    for i, stop in enumerate(stops):
+        if not 1 <= len(stop) <= MAX_STOP_STRING_CHARS:
+            raise RequestError(f"stopping.stop[{i}]",
+                               f"must be 1 to {MAX_STOP_STRING_CHARS} characters, got {len(stop)}")
+    return stops
+
+
+def to_generate_request(
+    msg: generate_pb2.GenerateRequest, *, tokenizer: TokenizerHandle, model_info: ModelInfo
+) -> GenerateRequest:
+    """Validate a GenerateRequest and build the engine's request (assigning an id when none was sent)."""
+    request_id = msg.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise RequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+    if model_info.task != "generate":
+        raise RequestError("model", "the served model is an embedding model; use Embed")
+    vocab_size = model_info.vocab_size
+    params = _sampling_params(msg, vocab_size=vocab_size)
+    stops = _stop_strings(msg.stopping)
+    prompt = _prompt_ids(msg, tokenizer, vocab_size)
+    max_len = model_info.max_model_len
+    if len(prompt) >= max_len:
+        raise RequestError(msg.WhichOneof("input") or "input",
+                           f"the prompt has {len(prompt)} tokens; the context length is {max_len}")
+    if params.max_tokens is not None and len(prompt) + params.max_tokens > max_len:
+        raise RequestError("stopping.max_tokens",
+                           f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                           f"context length {max_len}")
+    out = msg.output
+    return GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt),
+        params=params,
+        stop=stops,
+        include_stop_str_in_output=msg.stopping.include_stop_string,
+        detokenize=out.return_text if out.HasField("return_text") else True,
+        skip_special_tokens=out.skip_special_tokens if out.HasField("skip_special_tokens") else True,
+    )
+
+
+def abort_ids(msg: generate_pb2.AbortRequest) -> list[str]:
+    ids = list(msg.request_ids)
+    if len(ids) > MAX_ABORT_IDS:
+        raise RequestError("request_ids", f"at most {MAX_ABORT_IDS} ids, got {len(ids)}")
+    return ids
+
+
+def embed_inputs(
+    msg: embed_pb2.EmbedRequest, *, tokenizer: TokenizerHandle, model_info: ModelInfo
+) -> list[list[int]]:
+    if model_info.task != "embed":
+        raise RequestError("model", "the served model is a generation model; Embed needs an embedding model")
+    if not 1 <= len(msg.inputs) <= MAX_EMBED_INPUTS:
+        raise RequestError("inputs", f"must hold 1 to {MAX_EMBED_INPUTS} inputs, got {len(msg.inputs)}")
+    add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
+    batch = []
+    for i, item in enumerate(msg.inputs):
+        kind = item.WhichOneof("input")
+        if kind == "text":
+            ids = tokenizer.encode(item.text, add_special_tokens=add_special).token_ids
+        elif kind == "token_ids":
+            ids = list(item.token_ids.ids)
+            check_token_ids(ids, field=f"inputs[{i}].token_ids.ids", vocab_size=model_info.vocab_size)
+        else:
+            raise RequestError(f"inputs[{i}]", "exactly one of text or token_ids must be set")
+        if not ids:
+            raise RequestError(f"inputs[{i}]", "must have at least one token")
+        if len(ids) > model_info.max_model_len:
+            raise RequestError(f"inputs[{i}]", f"has {len(ids)} tokens; the context length is "
+                                               f"{model_info.max_model_len}")
+        batch.append(ids)
+    return batch
+
+
+def tokenize_input(
+    msg: tokenize_pb2.TokenizeRequest, *, tokenizer: TokenizerHandle
+) -> tuple[list[int], list[tuple[int, int]] | None]:
+    """Token ids and, when asked for text input, code-point offsets."""
+    kind = msg.WhichOneof("input")
+    if kind == "text":
+        add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
+        encoding = tokenizer.encode(msg.text, add_special_tokens=add_special)
+        return encoding.token_ids, (encoding.offsets if msg.return_offsets else None)
+    if kind == "chat":
+        return chat_prompt(msg.chat, tokenizer, field="chat"), None
+    raise RequestError("input", "exactly one of text or chat must be set")
+
+
+def detokenize_ids(msg: tokenize_pb2.DetokenizeRequest, *, vocab_size: int) -> tuple[list[int], bool]:
+    ids = list(msg.token_ids)
+    check_token_ids(ids, field="token_ids", vocab_size=vocab_size)
+    return ids, (msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True)

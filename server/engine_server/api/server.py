@@ -1,0 +1,205 @@
+"""Assembles the gRPC server (engine service, health, reflection, security, metrics) and runs its life cycle.
+
+1) listen (health NOT_SERVING, calls UNAVAILABLE) -> 2) start the engine -> 3) warm up with one tiny
+request -> 4) SERVING + ready file -> 5) drain on request: NOT_SERVING, new calls UNAVAILABLE, in-flight
+streams finish within the drain timeout, the rest are aborted (finish reason ABORT) -> 6) close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine_proto.engine.v1 import info_pb2
+from grpclib.reflection.service import ServerReflection
+from grpclib.server import Server
+
+from engine_server.api.health import build_health
+from engine_server.api.metrics import ServerMetrics
+from engine_server.api.servicer import EngineServicer
+from engine_server.engine.types import SamplingParams
+from engine_server.frontend.outputs import GenerateRequest
+
+if TYPE_CHECKING:
+    from engine_server.api.config import ServerConfig
+    from engine_server.api.handle import EngineHandle
+    from engine_server.api.security.config import SecurityConfig
+    from engine_server.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+EngineStarter = Callable[[], Awaitable["EngineHandle"]]
+_HANDLER_GRACE_S = 5.0  # after the engine drained: time for handlers to flush their last messages
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024)
+
+
+def build_grpc_server(handlers: list[Any], security: SecurityConfig) -> Server:
+    """The security layer's server (API key, message-size limit, HTTP/2 guard), or a plain one without it."""
+    try:
+        from engine_server.api.security import build_server  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:  # TODO(server): remove once api/security exports build_server
+        from engine_server.api.security.auth import install_api_key_check
+
+        server = Server(handlers, config=security.grpclib_configuration())
+        install_api_key_check(server, security.api_key, exempt_services=security.auth_exempt_services)
+        return server
+    built: Server = build_server(handlers, security)
+    return built
+
+
+def write_ready_file(path: str, *, port: int, metrics_port: int | None = None) -> None:
+    """Atomically (write + rename), so a harness polling for the file never reads half of it."""
+    target = Path(path)
+    content: dict[str, int] = {"port": port, "pid": os.getpid()}
+    if metrics_port is not None:
+        content["metrics_port"] = metrics_port
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(content, f)
+    os.replace(tmp, target)
+
+
+class EngineServer:
+    """One server: `await start()`, then `await drain()` (graceful) or `await close()` (at once)."""
+
+    def __init__(
+        self, config: ServerConfig, *, engine_config: EngineConfig, start_engine: EngineStarter
+    ) -> None:
+        self.config = config
+        self._engine_config = engine_config
+        self._start_engine = start_engine
+        self._engine: EngineHandle | None = None
+        self.metrics = ServerMetrics() if config.metrics_port is not None else None
+        name = config.served_model_name or Path(engine_config.model).name
+        self.servicer = EngineServicer(
+            served_model_name=name, max_concurrent_streams=config.max_concurrent_streams, metrics=self.metrics
+        )
+        self.health, self._check = build_health(self.servicer, self._is_serving)
+        handlers: list[Any] = [self.servicer, self.health]
+        if config.enable_reflection:
+            handlers = ServerReflection.extend(handlers)
+        self._server = build_grpc_server(handlers, config.security)
+        if self.metrics is not None:
+            self.metrics.install(self._server)
+            self.metrics.watch_load(lambda: self._engine.stats() if self._engine is not None else None)
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._monitor: asyncio.Task[None] | None = None
+
+    def _is_serving(self) -> bool:
+        return self.servicer.state == info_pb2.ENGINE_STATE_SERVING
+
+    async def start(self) -> None:
+        cfg = self.config
+        sock = _listen_socket(cfg.host, cfg.port)
+        self.port = sock.getsockname()[1]
+        await self._server.start(sock=sock, ssl=cfg.security.server_ssl_context())
+        logger.info("listening on %s:%d (health NOT_SERVING until the model is loaded)", cfg.host, self.port)
+        if self.metrics is not None and cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(host=cfg.host, port=cfg.metrics_port)
+            logger.info("metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
+        started = time.monotonic()
+        engine = self._engine = await self._start_engine()
+        info = engine.model_info
+        logger.info("model loaded in %.1f s: %s (%s, %s on %s, %d KV blocks of %d tokens)",
+                    time.monotonic() - started, info.model_path, info.architecture, info.dtype, info.device,
+                    info.num_kv_blocks, info.block_size)
+        self.servicer.attach(engine, limits=self._limits(engine))
+        await self._warm_up(engine)
+        self.servicer.set_ready()
+        self._check.refresh()
+        self._monitor = asyncio.create_task(self._watch_engine(), name="engine-health-monitor")
+        if cfg.ready_file is not None:
+            write_ready_file(cfg.ready_file, port=self.port, metrics_port=self.metrics_port)
+        logger.info("SERVING %s on %s:%d", info.model_path, cfg.host, self.port)
+
+    def _limits(self, engine: EngineHandle) -> info_pb2.ServerLimits:
+        ec = self._engine_config
+        return info_pb2.ServerLimits(
+            max_model_len=engine.model_info.max_model_len,
+            max_num_seqs=ec.max_num_seqs,
+            max_waiting_requests=ec.max_waiting,
+            max_concurrent_streams=self.config.security.h2.max_concurrent_streams,
+            max_receive_message_bytes=self.config.security.max_receive_message_size,
+            kv_block_size=engine.model_info.block_size,
+            max_num_batched_tokens=ec.max_num_batched_tokens,
+        )
+
+    async def _warm_up(self, engine: EngineHandle) -> None:
+        """One tiny request through the whole engine path, so the first client does not pay for it."""
+        started = time.monotonic()
+        info = engine.model_info
+        token_id = info.bos_token_id if info.bos_token_id is not None else 0
+        if info.task == "embed":
+            await engine.embed([[token_id, token_id]], normalize=True)
+        else:
+            request = GenerateRequest(
+                request_id=f"warmup-{uuid.uuid4().hex}", prompt_token_ids=(token_id,) * 4,
+                params=SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+            )
+            async with contextlib.aclosing(engine.generate(request)) as outputs:
+                async for _ in outputs:
+                    pass
+        logger.info("warm-up done in %.2f s", time.monotonic() - started)
+
+    async def _watch_engine(self) -> None:
+        """Notices an engine failure between calls, for health Watch streams (Check reads the state live)."""
+        while True:
+            self._check.refresh()
+            await asyncio.sleep(1.0)
+
+    async def drain(self) -> None:
+        """Graceful stop: NOT_SERVING, refuse new calls, let in-flight streams finish, abort the rest."""
+        timeout = self.config.drain_timeout_s
+        self.servicer.begin_drain()
+        self._check.refresh()
+        logger.info("draining: %d streams in flight, up to %.1f s", self.servicer.num_streams, timeout)
+        engine = self._engine
+        if engine is not None:
+            engine.begin_drain()
+            # NOTE: shutdown waits for in-flight requests, aborts what is left at the timeout (their streams
+            # end with finish reason ABORT), then stops the engine core.
+            await engine.shutdown(timeout=timeout)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.servicer.wait_idle(), _HANDLER_GRACE_S)
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop at once: cancel every call, stop the engine without waiting."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+            self._monitor = None
+        self.servicer.begin_drain()
+        self._check.refresh()
+        with contextlib.suppress(RuntimeError):  # not started
+            self._server.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), _HANDLER_GRACE_S)
+        if self._engine is not None:
+            await self._engine.shutdown(timeout=0.0)
+        if self.metrics is not None:
+            self.metrics.close()
+        logger.info("server stopped")
+
+
+def default_engine_starter(engine_config: EngineConfig, *, in_process: bool) -> EngineStarter:
+    async def start() -> EngineHandle:
+        from engine_server.frontend.async_engine import AsyncEngine
+
+        return await AsyncEngine.start(engine_config, in_process=in_process)
+
+    return start

@@ -1,0 +1,265 @@
+"""`engine.v1.EngineService` on grpclib with the upb `_pb2` messages: every RPC of the contract."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from engine_proto.engine.v1 import embed_pb2, generate_pb2, info_pb2, tokenize_pb2
+from engine_proto.engine.v1.engine_service_grpc import EngineServiceBase
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+import engine_server
+from engine_server.api import convert, responses
+from engine_server.api.errors import RequestFailed, ServerBusy, to_grpc_error
+from engine_server.engine.types import EngineDead
+from engine_server.frontend.outputs import EngineState
+
+if TYPE_CHECKING:
+    from grpclib.server import Stream
+
+    from engine_server.api.handle import EngineHandle, OutputStream
+    from engine_server.api.metrics import ServerMetrics
+    from engine_server.frontend.outputs import GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+_STATE = {
+    EngineState.STARTING: info_pb2.ENGINE_STATE_STARTING,
+    EngineState.SERVING: info_pb2.ENGINE_STATE_SERVING,
+    EngineState.DRAINING: info_pb2.ENGINE_STATE_DRAINING,
+    EngineState.STOPPED: info_pb2.ENGINE_STATE_DRAINING,
+    EngineState.FAILED: info_pb2.ENGINE_STATE_FAILED,
+}
+
+
+class EngineServicer(EngineServiceBase):
+    """Stateless per call; holds the engine handle (attached once loaded) and the server-wide stream count."""
+
+    def __init__(
+        self, *, served_model_name: str, max_concurrent_streams: int, metrics: ServerMetrics | None = None
+    ) -> None:
+        self._engine: EngineHandle | None = None
+        self._served_model_name = served_model_name
+        self._max_streams = max_concurrent_streams
+        self._metrics = metrics
+        self._limits = info_pb2.ServerLimits()
+        self._started_at = time.monotonic()
+        self._is_ready = False
+        self._is_draining = False
+        self._num_streams = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # --- lifecycle (called by api.server) -----------------------------------------------------------
+
+    def attach(self, engine: EngineHandle, *, limits: info_pb2.ServerLimits) -> None:
+        self._engine = engine
+        self._limits = limits
+
+    def set_ready(self) -> None:
+        self._is_ready = True
+
+    def begin_drain(self) -> None:
+        self._is_draining = True
+
+    async def wait_idle(self) -> None:
+        """Until every Generate handler has returned."""
+        await self._idle.wait()
+
+    @property
+    def num_streams(self) -> int:
+        return self._num_streams
+
+    @property
+    def state(self) -> info_pb2.EngineState.ValueType:
+        engine = self._engine
+        if engine is not None and engine.state is EngineState.FAILED:
+            return info_pb2.ENGINE_STATE_FAILED
+        if self._is_draining:
+            return info_pb2.ENGINE_STATE_DRAINING
+        if engine is None or not self._is_ready:
+            return info_pb2.ENGINE_STATE_STARTING
+        return _STATE[engine.state]
+
+    def _serving_engine(self) -> EngineHandle:
+        engine = self._engine
+        if engine is None or not self._is_ready:
+            raise EngineDead("the server is starting; retry shortly")
+        if self._is_draining:
+            raise EngineDead("the server is draining for shutdown")
+        if engine.state is EngineState.FAILED:
+            raise EngineDead("the engine has failed; the server must be restarted")
+        return engine
+
+    # --- Generate -----------------------------------------------------------------------------------
+
+    async def Generate(
+        self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse]
+    ) -> None:
+        msg = await stream.recv_message()
+        if msg is None:  # pragma: no cover - grpclib always delivers the unary request
+            raise GRPCError(Status.INVALID_ARGUMENT, "missing request message")
+        request_id = msg.request_id
+        try:
+            engine = self._serving_engine()
+            if self._num_streams >= self._max_streams:
+                raise ServerBusy(f"too many concurrent streams ({self._max_streams}); retry later")
+            request = convert.to_generate_request(
+                msg, tokenizer=engine.tokenizer, model_info=engine.model_info
+            )
+            request_id = request.request_id
+            outputs = engine.generate(request)
+        except Exception as exc:
+            raise to_grpc_error(exc, rpc="Generate", request_id=request_id) from None
+        self._num_streams += 1
+        self._idle.clear()
+        try:
+            # NOTE: aclosing: a cancelled call (client cancel, disconnect, deadline) closes the stream, and
+            # closing an unfinished stream aborts the request in the engine.
+            async with contextlib.aclosing(outputs):
+                if msg.stream:
+                    await self._stream_outputs(stream, outputs, request)
+                else:
+                    await self._send_whole(stream, outputs, request)
+        except Exception as exc:
+            raise to_grpc_error(exc, rpc="Generate", request_id=request_id) from None
+        finally:
+            self._num_streams -= 1
+            if self._num_streams == 0:
+                self._idle.set()
+
+    async def _stream_outputs(
+        self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse],
+        outputs: OutputStream, request: GenerateRequest,
+    ) -> None:
+        metrics = self._metrics
+        timer = metrics.request_timer() if metrics is not None else None
+        num_completion_tokens = [0] * request.params.n
+        send = stream.send_message
+        async for output in outputs:
+            if output.error is not None:
+                raise RequestFailed(output.error)
+            if timer is not None:
+                timer.on_output(sum(len(chunk.token_ids) for chunk in output.chunks))
+            await send(responses.streaming_response(output, num_completion_tokens))
+        if timer is not None and metrics is not None:
+            metrics.on_request_done(timer, num_prompt_tokens=len(request.prompt_token_ids),
+                                    num_completion_tokens=sum(num_completion_tokens))
+
+    async def _send_whole(
+        self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse],
+        outputs: OutputStream, request: GenerateRequest,
+    ) -> None:
+        metrics = self._metrics
+        timer = metrics.request_timer() if metrics is not None else None
+        collector = responses.Collector(request.params.n)
+        async for output in outputs:
+            if output.error is not None:
+                raise RequestFailed(output.error)
+            if timer is not None:
+                timer.on_output(sum(len(chunk.token_ids) for chunk in output.chunks))
+            collector.add(output)
+        response = collector.response(request.request_id)
+        await stream.send_message(response)
+        if timer is not None and metrics is not None:
+            metrics.on_request_done(timer, num_prompt_tokens=len(request.prompt_token_ids),
+                                    num_completion_tokens=response.usage.completion_tokens)
+
+    # --- other RPCs ---------------------------------------------------------------------------------
+
+    async def Abort(self, stream: Stream[generate_pb2.AbortRequest, generate_pb2.AbortResponse]) -> None:
+        msg = await stream.recv_message()
+        response = generate_pb2.AbortResponse()
+        try:
+            ids = convert.abort_ids(msg) if msg is not None else []
+            if self._engine is not None and ids:
+                response.aborted_request_ids.extend(await self._engine.abort(ids))
+        except Exception as exc:
+            raise to_grpc_error(exc, rpc="Abort") from None
+        await stream.send_message(response)
+
+    async def Embed(self, stream: Stream[embed_pb2.EmbedRequest, embed_pb2.EmbedResponse]) -> None:
+        msg = await stream.recv_message()
+        try:
+            engine = self._serving_engine()
+            if msg is None:
+                raise GRPCError(Status.INVALID_ARGUMENT, "missing request message")
+            batch = convert.embed_inputs(msg, tokenizer=engine.tokenizer, model_info=engine.model_info)
+            normalize = msg.normalize if msg.HasField("normalize") else True
+            vectors = await engine.embed(batch, normalize=normalize)
+        except Exception as exc:
+            raise to_grpc_error(exc, rpc="Embed") from None
+        response = embed_pb2.EmbedResponse()
+        for ids, vector in zip(batch, vectors, strict=True):
+            response.embeddings.add(values=vector, num_tokens=len(ids))
+        response.usage.prompt_tokens = sum(len(ids) for ids in batch)
+        await stream.send_message(response)
+
+    async def Tokenize(
+        self, stream: Stream[tokenize_pb2.TokenizeRequest, tokenize_pb2.TokenizeResponse]
+    ) -> None:
+        msg = await stream.recv_message()
+        try:
+            engine = self._serving_engine()
+            if msg is None:
+                raise GRPCError(Status.INVALID_ARGUMENT, "missing request message")
+            token_ids, offsets = convert.tokenize_input(msg, tokenizer=engine.tokenizer)
+        except Exception as exc:
+            raise to_grpc_error(exc, rpc="Tokenize") from None
+        response = tokenize_pb2.TokenizeResponse()
+        response.token_ids.extend(token_ids)
+        if offsets is not None:
+            for start, end in offsets:
+                response.offsets.add(start=start, end=end)
+        await stream.send_message(response)
+
+    async def Detokenize(
+        self, stream: Stream[tokenize_pb2.DetokenizeRequest, tokenize_pb2.DetokenizeResponse]
+    ) -> None:
+        msg = await stream.recv_message()
+        try:
+            engine = self._serving_engine()
+            if msg is None:
+                raise GRPCError(Status.INVALID_ARGUMENT, "missing request message")
+            ids, skip_special = convert.detokenize_ids(msg, vocab_size=engine.model_info.vocab_size)
+            text = engine.tokenizer.decode(ids, skip_special_tokens=skip_special)
+        except Exception as exc:
+            raise to_grpc_error(exc, rpc="Detokenize") from None
+        await stream.send_message(tokenize_pb2.DetokenizeResponse(text=text))
+
+    async def GetModelInfo(
+        self, stream: Stream[info_pb2.GetModelInfoRequest, info_pb2.GetModelInfoResponse]
+    ) -> None:
+        await stream.recv_message()
+        engine = self._engine
+        if engine is None:
+            raise GRPCError(Status.UNAVAILABLE, "the server is starting; retry shortly")
+        await stream.send_message(responses.model_info_response(
+            engine.model_info, served_model_name=self._served_model_name,
+            has_chat_template=engine.tokenizer.has_chat_template,
+        ))
+
+    async def GetServerInfo(
+        self, stream: Stream[info_pb2.GetServerInfoRequest, info_pb2.GetServerInfoResponse]
+    ) -> None:
+        await stream.recv_message()
+        response = info_pb2.GetServerInfoResponse(
+            server_version=engine_server.__version__,
+            api_version="engine.v1",
+            uptime_seconds=time.monotonic() - self._started_at,
+            state=self.state,
+        )
+        responses.fill_load(response.load, self._engine.stats() if self._engine is not None else None)
+        response.limits.CopyFrom(self._limits)
+        await stream.send_message(response)
+
+    async def GetLoad(self, stream: Stream[info_pb2.GetLoadRequest, info_pb2.GetLoadResponse]) -> None:
+        await stream.recv_message()
+        response = info_pb2.GetLoadResponse(state=self.state)
+        responses.fill_load(response.load, self._engine.stats() if self._engine is not None else None)
+        await stream.send_message(response)

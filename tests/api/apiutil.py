@@ -1,0 +1,59 @@
+"""Request builders and waits shared by the api tests (real generated clients: grpclib stubs over `_pb2`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from engine_proto.engine.v1 import generate_pb2, info_pb2
+from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
+
+CALL_TIMEOUT_S = 60.0  # every RPC of the tests carries a deadline
+
+
+def greedy_request(
+    prompt_ids: Sequence[int] = (),
+    *,
+    text: str | None = None,
+    max_tokens: int = 16,
+    stream: bool = True,
+    request_id: str = "",
+    ignore_eos: bool = False,
+) -> generate_pb2.GenerateRequest:
+    request = generate_pb2.GenerateRequest(request_id=request_id, stream=stream)
+    if text is not None:
+        request.text = text
+    else:
+        request.token_ids.ids.extend(prompt_ids)
+    request.sampling.temperature = 0.0
+    request.stopping.max_tokens = max_tokens
+    request.stopping.ignore_eos = ignore_eos
+    return request
+
+
+def completion_ids(responses: Sequence[generate_pb2.GenerateResponse], index: int = 0) -> list[int]:
+    return [t for r in responses for c in r.completions if c.index == index for t in c.token_ids]
+
+
+def completion_text(responses: Sequence[generate_pb2.GenerateResponse], index: int = 0) -> str:
+    return "".join(c.text for r in responses for c in r.completions if c.index == index)
+
+
+def finish_reasons(responses: Sequence[generate_pb2.GenerateResponse]) -> dict[int, int]:
+    return {c.index: c.finish_reason for r in responses for c in r.completions if c.finish_reason}
+
+
+async def wait_engine_idle(stub: EngineServiceStub, *, within_s: float = 30.0) -> info_pb2.Load:
+    """Until nothing runs or waits and every KV block is free; bounded. Returns the last load."""
+    deadline = time.monotonic() + within_s
+    while True:
+        load = (await stub.GetLoad(info_pb2.GetLoadRequest(), timeout=CALL_TIMEOUT_S)).load
+        idle = load.num_running_requests == 0 and load.num_waiting_requests == 0
+        if idle and load.num_free_kv_blocks == load.num_total_kv_blocks:
+            return load
+        if time.monotonic() > deadline:
+            return load
+        # NOTE: aborts reach the engine core asynchronously (RST_STREAM -> handler cancelled -> abort
+        # command -> next core step); poll the public load until it settles, within the bound.
+        await asyncio.sleep(0.05)

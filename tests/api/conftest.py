@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
+from grpclib.client import Channel
+from serverproc import RunningServer, start_server
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[RunningServer]:
+    """One engine-server (tiny model, engine core in its own process) shared by the read-mostly api tests."""
+    with start_server("--max-num-seqs", "64", "--metrics-port", "0") as running:
+        yield running
+
+
+@pytest.fixture
+async def channel(server: RunningServer) -> AsyncIterator[Channel]:
+    channel = Channel("127.0.0.1", server.port)
+    yield channel
+    channel.close()
+
+
+@pytest.fixture
+def stub(channel: Channel) -> EngineServiceStub:
+    return EngineServiceStub(channel)
