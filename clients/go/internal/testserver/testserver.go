@@ -16,8 +16,16 @@ import (
 	"time"
 )
 
-// ReadyTimeout bounds the wait for a server's ready file (model load included).
-const ReadyTimeout = 120 * time.Second
+// DefaultReadyTimeout bounds the wait for a server's ready file (model load included); the environment
+// variable ENGINE_TEST_READY_TIMEOUT (a Go duration, "300s") overrides it on slow machines.
+const DefaultReadyTimeout = 180 * time.Second
+
+func readyTimeout() time.Duration {
+	if d, err := time.ParseDuration(os.Getenv("ENGINE_TEST_READY_TIMEOUT")); err == nil && d > 0 {
+		return d
+	}
+	return DefaultReadyTimeout
+}
 
 // stopTimeout is how long a server may take to drain after SIGTERM before it is killed.
 const stopTimeout = 15 * time.Second
@@ -27,11 +35,13 @@ type Server struct {
 	// Target is "127.0.0.1:PORT", for Dial.
 	Target string
 	// Port is the port the server listens on.
-	Port    int
-	cmd     *exec.Cmd
-	exited  chan struct{}
-	logPath string
-	dir     string
+	Port int
+	// StartupTime is how long the server took from launch to its ready file.
+	StartupTime time.Duration
+	cmd         *exec.Cmd
+	exited      chan struct{}
+	logPath     string
+	dir         string
 }
 
 type readyFile struct {
@@ -102,7 +112,7 @@ func EmbedModelDir(ctx context.Context) (string, error) {
 	return strings.TrimSpace(string(out)), nil
 }
 
-// Start launches engine-server with extra flags and waits for its ready file (at most ReadyTimeout, and
+// Start launches engine-server with extra flags and waits for its ready file (at most readyTimeout, and
 // never past ctx). The server's output goes to a log file whose tail is part of any start error.
 func Start(ctx context.Context, extraArgs ...string) (*Server, error) {
 	bin, err := ServerBinary()
@@ -127,6 +137,7 @@ func Start(ctx context.Context, extraArgs ...string) (*Server, error) {
 	if err := s.cmd.Start(); err != nil {
 		return nil, fmt.Errorf("testserver: start %s: %w", bin, err)
 	}
+	launched := time.Now()
 	go func() {
 		_ = s.cmd.Wait()
 		close(s.exited)
@@ -138,13 +149,14 @@ func Start(ctx context.Context, extraArgs ...string) (*Server, error) {
 		return nil, fmt.Errorf("testserver: %s %s: %w\n--- server log (tail) ---\n%s", bin,
 			strings.Join(extraArgs, " "), err, tail)
 	}
-	s.Port, s.Target = port, fmt.Sprintf("127.0.0.1:%d", port)
+	s.Port, s.Target, s.StartupTime = port, fmt.Sprintf("127.0.0.1:%d", port), time.Since(launched)
 	return s, nil
 }
 
 // waitReady polls for the ready file, which the server writes atomically once it serves.
 func (s *Server) waitReady(ctx context.Context, path string) (int, error) {
-	ctx, cancel := context.WithTimeout(ctx, ReadyTimeout)
+	timeout := readyTimeout()
+	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
@@ -160,7 +172,7 @@ func (s *Server) waitReady(ctx context.Context, path string) (int, error) {
 		case <-s.exited:
 			return 0, fmt.Errorf("server exited before it was ready (%s)", s.cmd.ProcessState)
 		case <-ctx.Done():
-			return 0, fmt.Errorf("server not ready after %s: %w", ReadyTimeout, ctx.Err())
+			return 0, fmt.Errorf("server not ready after %s: %w", timeout, ctx.Err())
 		case <-tick.C:
 		}
 	}
