@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ssl
 
+import grpc
 import pytest
+from engine_proto.engine.v1 import engine_service_pb2_grpc
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from engine_proto.engine.v1.tokenize_pb2 import TokenizeRequest
 from engine_server.api.security import SecurityConfig
@@ -109,3 +112,29 @@ def test_bad_pem_is_a_one_line_value_error(cert_files: CertFiles) -> None:
             key_file=cert_files.server_key,
             client_ca_file=cert_files.server_key,
         )
+
+
+async def test_grpcio_client_over_mtls_with_api_key(cert_files: CertFiles) -> None:
+    # Another HTTP/2 + TLS stack (grpc-core, like the Go and Rust clients it requires ALPN h2).
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=read(cert_files.ca),
+        private_key=read(cert_files.client_key),
+        certificate_chain=read(cert_files.client_cert),
+    )
+    config = dataclasses.replace(_tls_config(cert_files, mtls=True), api_key="k" * 32)
+    async with (
+        serve(config) as served,
+        grpc.aio.secure_channel(f"localhost:{served.port}", credentials) as channel,
+    ):
+        stub = engine_service_pb2_grpc.EngineServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Tokenize(TokenizeRequest(text="ok"), timeout=WAIT_S)
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        reply = await stub.Tokenize(
+            TokenizeRequest(text="ok"), metadata=(("authorization", "Bearer " + "k" * 32),), timeout=WAIT_S
+        )
+        assert list(reply.token_ids) == [ord("o"), ord("k")]
