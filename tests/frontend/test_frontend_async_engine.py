@@ -262,12 +262,3 @@ async def test_drain_refuses_new_requests_and_shutdown_aborts_the_rest(
     assert fake_engine.state is EngineState.STOPPED
     rest = [output async for output in endless]
     assert rest[-1].chunks[-1].finish_reason is FinishReason.ABORT
-
-
-async def test_missing_model_path_is_a_clear_error(tmp_path: Path) -> None:
-    from engine_server.engine.config import EngineConfig
-    from engine_server.frontend.core_process import EngineLoadError
-
-    missing = tmp_path / "no-such-model"
-    with pytest.raises(EngineLoadError, match="does not exist"):
-        await AsyncEngine.start(EngineConfig(model=str(missing)), in_process=True)

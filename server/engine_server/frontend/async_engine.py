@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine_server.engine.types import (
@@ -89,6 +90,10 @@ class AsyncEngine:
 
         Raises EngineLoadError when the model (or its tokenizer) cannot be loaded.
         """
+        if not Path(config.model).is_dir():
+            # NOTE: checked here too so the most common mistake costs no core start (seconds of imports).
+            raise EngineLoadError(f"cannot load model {config.model!r}: the directory does not exist "
+                                  f"(models load from a local directory only)")
         if validator is None:
             from engine_server.engine.validation import validate_request
 

@@ -1,0 +1,194 @@
+"""AsyncEngine on the real LLMEngine (tiny random model, CPU): in-process and in its own process."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from engine_server.engine.config import EngineConfig
+from engine_server.engine.types import EngineDead, FinishReason, SamplingParams
+from engine_server.frontend.async_engine import AsyncEngine
+from engine_server.frontend.core_process import EngineLoadError
+from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+TIMEOUT = 60.0
+PROMPTS = ("Hello world", "你好\uff0c世界 🎉", "The quick brown fox", "a", "Once upon a time there was",
+           "1 2 3 4")
+
+
+def _config(model_dir: Path) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), max_num_seqs=16, num_kv_blocks=128, block_size=4)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine(model_dir: Path) -> AsyncIterator[AsyncEngine]:
+    engine = await AsyncEngine.start(_config(model_dir), in_process=True)
+    yield engine
+    await engine.shutdown(timeout=10.0)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[tuple[str, int], list[int]]:
+    """Greedy continuations from transformers' own `generate`, one prompt at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)  # in eval mode
+    result = {}
+    for prompt in PROMPTS:
+        for max_tokens in (1, 9, 24):
+            input_ids = torch.tensor([hf_tokenizer(prompt).input_ids])
+            with torch.no_grad():
+                out = model.generate(input_ids, do_sample=False, max_new_tokens=max_tokens,
+                                     attention_mask=torch.ones_like(input_ids))
+            result[(prompt, max_tokens)] = out[0, input_ids.shape[1]:].tolist()
+    return result
+
+
+def _greedy(
+    engine: AsyncEngine, request_id: str, prompt: str, max_tokens: int, **kwargs: object
+) -> GenerateRequest:
+    ids = tuple(engine.tokenizer.encode(prompt).token_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return GenerateRequest(request_id, ids, params, **kwargs)  # type: ignore[arg-type]
+
+
+async def _collect(engine: AsyncEngine, request: GenerateRequest) -> list[GenerateOutput]:
+    async with asyncio.timeout(TIMEOUT):
+        return [output async for output in engine.generate(request)]
+
+
+def _ids(outputs: list[GenerateOutput]) -> list[int]:
+    return [token_id for output in outputs for chunk in output.chunks for token_id in chunk.token_ids]
+
+
+def _text(outputs: list[GenerateOutput]) -> str:
+    return "".join(chunk.text for output in outputs for chunk in output.chunks)
+
+
+async def _assert_idle_and_free(engine: AsyncEngine) -> None:
+    async with asyncio.timeout(TIMEOUT):
+        stats = await engine.wait_idle()
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert engine.num_in_flight == 0
+
+
+async def _concurrent_greedy(engine: AsyncEngine, tag: str) -> dict[tuple[str, int], list[GenerateOutput]]:
+    rng = random.Random(5)
+    cases = [(prompt, max_tokens) for prompt in PROMPTS for max_tokens in (1, 9, 24)]
+
+    async def one(case: tuple[str, int], number: int) -> list[GenerateOutput]:
+        for _ in range(rng.randint(0, 3)):  # staggered arrivals: join while others run
+            await asyncio.sleep(0)
+        return await _collect(engine, _greedy(engine, f"{tag}-{number}", *case))
+
+    results = await asyncio.gather(*(one(case, number) for number, case in enumerate(cases)))
+    return dict(zip(cases, results, strict=True))
+
+
+async def test_concurrent_greedy_matches_transformers(
+    engine: AsyncEngine, reference: dict[tuple[str, int], list[int]]
+) -> None:
+    results = await _concurrent_greedy(engine, "greedy")
+    for case, outputs in results.items():
+        assert _ids(outputs) == reference[case], case
+        assert _text(outputs) == engine.tokenizer.decode(_ids(outputs)), case
+        final = outputs[-1].chunks[-1]
+        assert outputs[-1].finished
+        assert final.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    await _assert_idle_and_free(engine)
+
+
+async def test_sampled_text_is_exactly_the_full_decode(engine: AsyncEngine) -> None:
+    ids = tuple(engine.tokenizer.encode("你好 🎉").token_ids)
+    request = GenerateRequest("sampled", ids, SamplingParams(n=3, temperature=1.5, seed=11, max_tokens=40,
+                                                             ignore_eos=True))
+    outputs = await _collect(engine, request)
+    for index in range(3):
+        chunks = [chunk for output in outputs for chunk in output.chunks if chunk.index == index]
+        token_ids = [token_id for chunk in chunks for token_id in chunk.token_ids]
+        assert len(token_ids) == chunks[-1].num_completion_tokens == 40
+        assert "".join(chunk.text for chunk in chunks) == engine.tokenizer.decode(token_ids)
+
+
+async def test_stop_string_on_real_output(engine: AsyncEngine) -> None:
+    full = await _collect(engine, _greedy(engine, "nostop", "Once upon a time there was", 24))
+    text = _text(full)
+    assert len(text) > 12
+    stop = text[8:12]  # somewhere inside the output, usually spanning a token boundary
+    outputs = await _collect(engine, _greedy(engine, "stop", "Once upon a time there was", 24, stop=(stop,)))
+    assert _text(outputs) == text[: text.find(stop)]
+    final = outputs[-1].chunks[-1]
+    assert (final.finish_reason, final.stop_reason) == (FinishReason.STOP, stop)
+    await _assert_idle_and_free(engine)
+
+
+async def test_random_cancellations_leave_no_running_request_and_free_blocks(engine: AsyncEngine) -> None:
+    rng = random.Random(3)
+
+    async def consume(number: int, cancel_after: int) -> None:
+        request = _greedy(engine, f"cancel-{number}", rng.choice(PROMPTS), 200)
+        seen = 0
+        async for _ in engine.generate(request):
+            seen += 1
+            if seen >= cancel_after:
+                raise asyncio.CancelledError  # as if the client went away
+
+    tasks = [asyncio.create_task(consume(number, rng.randint(1, 6))) for number in range(40)]
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(result, asyncio.CancelledError) for result in results)
+    await _assert_idle_and_free(engine)
+
+
+async def test_own_process_serves_then_fails_fast_when_killed(
+    model_dir: Path, reference: dict[tuple[str, int], list[int]]
+) -> None:
+    engine = await AsyncEngine.start(_config(model_dir), in_process=False)
+    try:
+        assert engine.core_pid is not None
+        results = await _concurrent_greedy(engine, "proc")
+        for case, outputs in results.items():
+            assert _ids(outputs) == reference[case], case
+        await _assert_idle_and_free(engine)
+        streams = [engine.generate(_greedy(engine, f"doomed-{i}", "Hello", 400)) for i in range(6)]
+        for stream in streams:
+            await anext(stream)
+        engine.kill_core()
+        async with asyncio.timeout(10.0):
+            for stream in streams:
+                with pytest.raises(EngineDead, match="exited"):
+                    async for _ in stream:
+                        pass
+        assert engine.state is EngineState.FAILED
+        with pytest.raises(EngineDead):
+            engine.generate(_greedy(engine, "after", "Hello", 4))
+    finally:
+        await engine.shutdown(timeout=5.0)
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+async def test_a_missing_model_is_a_clear_error_at_once(tmp_path: Path, in_process: bool) -> None:
+    with pytest.raises(EngineLoadError, match="does not exist"):
+        await AsyncEngine.start(EngineConfig(model=str(tmp_path / "missing")), in_process=in_process)
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+async def test_a_load_failure_in_the_core_reaches_the_caller(tmp_path: Path, in_process: bool) -> None:
+    from failing_core import failing_factory
+
+    with pytest.raises(EngineLoadError, match=r"FileNotFoundError: .* has no config.json"):
+        await AsyncEngine.start(EngineConfig(model=str(tmp_path)), in_process=in_process,
+                                engine_factory=failing_factory)  # type: ignore[arg-type]
+
+
+async def test_an_incomplete_model_directory_is_reported_by_the_loader(tmp_path: Path) -> None:
+    with pytest.raises(EngineLoadError, match=r"no config\.json"):
+        await AsyncEngine.start(EngineConfig(model=str(tmp_path)), in_process=True)
