@@ -1,4 +1,4 @@
-"""Receive message size: oversized -> RESOURCE_EXHAUSTED (body never buffered), the server keeps serving."""
+"""Receive limits: oversized -> RESOURCE_EXHAUSTED (body never buffered); no message -> DEADLINE_EXCEEDED."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from engine_server.api.security import SecurityConfig
 from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
+from h2.events import ResponseReceived, TrailersReceived
 from sec_fakes import WAIT_S, serve
+from sec_raw_h2 import grpc_headers, raw_h2
 
 LIMIT = 64 * 1024
 
@@ -71,3 +73,21 @@ async def test_default_limit_is_4_mib() -> None:
             assert err.value.status is Status.RESOURCE_EXHAUSTED
         finally:
             channel.close()
+
+
+async def test_call_that_never_sends_its_message_times_out() -> None:
+    async with serve(SecurityConfig(request_receive_timeout_s=0.2)) as served, raw_h2(served.port) as raw:
+        stream_id = raw.conn.get_next_available_stream_id()
+        raw.conn.send_headers(stream_id, grpc_headers(served.port, "/engine.v1.EngineService/Generate"))
+        await raw.flush()  # headers only: the request message never comes
+        await raw.wait_stream_done(stream_id)
+        headers = [
+            header
+            for event in raw.events
+            if isinstance(event, ResponseReceived | TrailersReceived) and event.stream_id == stream_id
+            for header in event.headers
+        ]
+        assert ("grpc-status", str(Status.DEADLINE_EXCEEDED.value)) in headers
+        assert ("grpc-message", "request message not received within 0.2 s") in headers
+        assert served.engine.num_started == 0
+        assert not raw.is_closed  # the connection itself is fine

@@ -9,6 +9,7 @@ Interface (what the server assembly calls; everything is keyword-only after the 
         api_key=None,                          # str or None (no auth); see auth.resolve_api_key()
         auth_exempt_services=(HEALTH_SERVICE,), # + REFLECTION_SERVICES to let grpcurl list without a key
         max_receive_message_size=4 << 20,      # bytes
+        request_receive_timeout_s=60.0,        # single-message calls must send it within this time
         keepalive_time_s=60.0, keepalive_timeout_s=20.0,
         h2=H2Policy(max_concurrent_streams=512, ...),
     )                                          # raises ValueError with a one-line message on bad input
@@ -21,14 +22,15 @@ Building blocks (usable on their own):
     tls.build_server_ssl_context(*, cert_file, key_file, client_ca_file=None) -> ssl.SSLContext
         TLS >= 1.2, ALPN "h2"; with client_ca_file, client certificates are REQUIRED and verified.
     tls.build_client_ssl_context(*, ca_file, cert_file=None, key_file=None) -> ssl.SSLContext  (tests, SDKs)
-    auth.install_api_key_check(server, api_key, *, exempt_services=(HEALTH_SERVICE,)) -> None
+    auth.install_api_key_check(server, api_key, *, exempt_services=(HEALTH_SERVICE,)) -> ApiKeyCheck | None
         Every call must carry `authorization: Bearer <key>` or `x-api-key: <key>`, compared in constant time;
         otherwise UNAUTHENTICATED. api_key=None installs nothing.
     auth.resolve_api_key(*, api_key=None, api_key_file=None, environ=os.environ) -> str | None
         Flag, then file (trailing newline stripped), then $ENGINE_API_KEY.
-    limits.install_message_size_limit(server, max_receive_message_size) -> None
+    limits.install_message_size_limit(server, max_size, *, receive_timeout_s=None) -> MessageSizeLimit
         A request message whose length prefix exceeds the limit -> RESOURCE_EXHAUSTED before its body is
-        buffered; the connection and the server keep serving.
+        buffered; the connection and the server keep serving. A single-message call that does not deliver
+        it within receive_timeout_s -> DEADLINE_EXCEEDED.
     h2_guard.GuardedServer(handlers, *, policy=H2Policy(), **grpclib Server kwargs)
         PING flood / rapid reset / control-frame floods -> GOAWAY(ENHANCE_YOUR_CALM) + close; idle connections
         -> GOAWAY(NO_ERROR) + close; see h2_guard.py.
@@ -70,5 +72,7 @@ def build_server(
     """
     server = GuardedServer(handlers, policy=config.h2, config=config.grpclib_configuration(), **server_kwargs)
     install_api_key_check(server, config.api_key, exempt_services=config.auth_exempt_services)
-    install_message_size_limit(server, config.max_receive_message_size)
+    install_message_size_limit(
+        server, config.max_receive_message_size, receive_timeout_s=config.request_receive_timeout_s
+    )
     return server

@@ -85,6 +85,9 @@ class SecurityConfig:
     # Services callable without the key (full names); probes must reach health.
     auth_exempt_services: tuple[str, ...] = (HEALTH_SERVICE,)
     max_receive_message_size: int = 4 * _MiB
+    # A call with a single request message (every engine.v1 RPC) must deliver it within this time after its
+    # headers, else DEADLINE_EXCEEDED: a client cannot park handlers by opening calls and never sending.
+    request_receive_timeout_s: float | None = 60.0
     # The server PINGs each connection with calls in flight this often (grpclib: a fixed timer, traffic or
     # not); no PING ACK within keepalive_timeout_s closes it and cancels its calls. None: never ping.
     keepalive_time_s: float | None = 60.0
@@ -110,6 +113,8 @@ class SecurityConfig:
                 f"max_receive_message_size must be in [1, {_MAX_MESSAGE_LIMIT}], "
                 f"got {self.max_receive_message_size}"
             )
+        if self.request_receive_timeout_s is not None:
+            _check_positive("request_receive_timeout_s", self.request_receive_timeout_s)
         if self.keepalive_time_s is not None:
             _check_positive("keepalive_time_s", self.keepalive_time_s)
         _check_positive("keepalive_timeout_s", self.keepalive_timeout_s)

@@ -193,6 +193,7 @@ class GuardedH2Protocol(H2Protocol):
         now = time.monotonic()
         reset_ids = {e.stream_id for e in events if isinstance(e, StreamReset) and e.remote_reset}
         dropped_ids: set[int] = set()
+        known = getattr(self.processor, "processors", {})
         kept: list[Event] = []
         for event in events:
             if isinstance(event, PingReceived):
@@ -222,9 +223,10 @@ class GuardedH2Protocol(H2Protocol):
                 if not self._control.take(now):
                     self._goaway("control_frame_flood")
                     return None
-                if not isinstance(event, RemoteSettingsChanged | WindowUpdated):
-                    continue  # grpclib ignores PRIORITY, and raises NotImplementedError on unknown frames
-            kept.append(event)
+            # grpclib's processor raises NotImplementedError (failing the connection) on event types it does
+            # not know, such as unknown frame types, which RFC 9113 says to ignore.
+            if type(event) in known:
+                kept.append(event)
         return kept
 
     def _ping_allowed(self, now: float) -> bool:

@@ -5,10 +5,14 @@ client may keep sending) the whole body, whatever its announced length. We swap,
 `recv_message` for one that rejects an oversized prefix with RESOURCE_EXHAUSTED before reading the body.
 grpclib then sends the status and RST_STREAM(NO_ERROR); unread DATA is acknowledged on release, so the
 connection's flow-control window is not leaked and the connection keeps serving.
+
+The same wrapper bounds how long a call with a single request message may take to deliver it
+(`receive_timeout_s`, DEADLINE_EXCEEDED): otherwise a client could park handlers by sending headers only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import time
 from typing import Any
@@ -46,20 +50,39 @@ async def _recv_bounded(stream: Stream[Any, Any], max_size: int) -> Any:
     return message
 
 
+async def _recv_first_in_time(stream: Stream[Any, Any], max_size: int, timeout_s: float) -> Any:
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _recv_bounded(stream, max_size)
+    except TimeoutError:
+        raise GRPCError(
+            Status.DEADLINE_EXCEEDED, f"request message not received within {timeout_s:g} s"
+        ) from None
+
+
 class MessageSizeLimit:
     """The RecvRequest listener: wraps the servicer method so its stream reads are bounded."""
 
-    def __init__(self, max_receive_message_size: int) -> None:
+    def __init__(self, max_receive_message_size: int, *, receive_timeout_s: float | None = None) -> None:
         if max_receive_message_size < 1:
             raise ValueError(f"max_receive_message_size must be >= 1, got {max_receive_message_size}")
+        if receive_timeout_s is not None and not receive_timeout_s > 0:
+            raise ValueError(f"receive_timeout_s must be positive, got {receive_timeout_s}")
         self.max_receive_message_size = max_receive_message_size
+        self.receive_timeout_s = receive_timeout_s
 
     async def __call__(self, event: RecvRequest) -> None:
         method_func = event.method_func
         max_size = self.max_receive_message_size
+        timeout_s = self.receive_timeout_s
 
         async def bounded_method(stream: Stream[Any, Any]) -> None:
+            is_first = [timeout_s is not None and not stream._cardinality.client_streaming]
+
             async def recv_message() -> Any:
+                if is_first[0] and timeout_s is not None:
+                    is_first[0] = False
+                    return await _recv_first_in_time(stream, max_size, timeout_s)
                 return await _recv_bounded(stream, max_size)
 
             # NOTE: an instance attribute shadows the method; `async for msg in stream` goes through it too.
@@ -69,7 +92,9 @@ class MessageSizeLimit:
         event.method_func = bounded_method
 
 
-def install_message_size_limit(server: Server, max_receive_message_size: int) -> MessageSizeLimit:
-    listener = MessageSizeLimit(max_receive_message_size)
+def install_message_size_limit(
+    server: Server, max_receive_message_size: int, *, receive_timeout_s: float | None = None
+) -> MessageSizeLimit:
+    listener = MessageSizeLimit(max_receive_message_size, receive_timeout_s=receive_timeout_s)
     listen(server, RecvRequest, listener)
     return listener
