@@ -4,7 +4,9 @@ import (
 	"context"
 	"io"
 	"net"
+	"os"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -291,5 +293,34 @@ func TestRequestBuilders(t *testing.T) {
 	}
 	if !engine.TextPrompt("x").GetStream() {
 		t.Error("builders should stream by default")
+	}
+}
+
+func TestMessageSizeLimits(t *testing.T) {
+	client, _ := startFake(t, engine.WithMaxRecvMsgSize(8), engine.WithKeepalive(time.Minute, 10*time.Second, false))
+	_, err := client.Complete(testContext(t), engine.TextPrompt("hi", engine.MaxTokens(2)))
+	if status.Code(err) != codes.ResourceExhausted {
+		t.Errorf("response over the receive limit: %v, want RESOURCE_EXHAUSTED", err)
+	}
+	client, _ = startFake(t, engine.WithMaxSendMsgSize(64))
+	_, err = client.Complete(testContext(t), engine.TokenPrompt(make([]uint32, 100), engine.MaxTokens(1)))
+	if status.Code(err) != codes.ResourceExhausted {
+		t.Errorf("request over the send limit: %v, want RESOURCE_EXHAUSTED", err)
+	}
+	if _, err := client.Complete(testContext(t), engine.TokenPrompt([]uint32{1}, engine.MaxTokens(1))); err != nil {
+		t.Errorf("small request: %v", err)
+	}
+}
+
+// TestVersionsAgree guards the release rule of docs/versioning.md: the SDK requires the generated module at
+// its own version.
+func TestVersionsAgree(t *testing.T) {
+	goMod, err := os.ReadFile("go.mod")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "github.com/engine-project/engine/gen/go v" + engine.Version + "\n"
+	if !strings.Contains(string(goMod), want) {
+		t.Errorf("go.mod does not require %q", strings.TrimSpace(want))
 	}
 }

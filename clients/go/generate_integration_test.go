@@ -315,6 +315,11 @@ func TestInfoLoadAndHealth(t *testing.T) {
 	if info.GetApiVersion() != engine.APIVersion || info.GetState() != enginev1.EngineState_ENGINE_STATE_SERVING {
 		t.Errorf("server info = %v", info)
 	}
+	// SDKs and server are released together (docs/versioning.md): the same MAJOR.MINOR is the same contract.
+	if majorMinor(info.GetServerVersion()) != majorMinor(engine.Version) {
+		t.Errorf("server %s, SDK %s: released together, they share MAJOR.MINOR", info.GetServerVersion(),
+			engine.Version)
+	}
 	model, err := client.ModelInfo(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -345,4 +350,9 @@ func TestAPIKeyOnPlaintextLoopback(t *testing.T) {
 	if _, err := dialMain(t).ModelInfo(ctx); err != nil {
 		t.Errorf("right key: %v", err)
 	}
+}
+
+func majorMinor(version string) string {
+	parts := strings.SplitN(version, ".", 3)
+	return strings.Join(parts[:min(2, len(parts))], ".")
 }
