@@ -7,14 +7,16 @@ from typing import Any
 
 from engine_proto.engine.v1 import generate_pb2
 from engine_server.api.security import H2Policy
-from engine_server.api.security.budget import TokenBucket
+from engine_server.api.security.budget import GuardStats, TokenBucket
 from engine_server.api.security.h2_guard import GuardedServer
+from engine_server.api.security.metrics import register_guard_metrics
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
 from h2.events import StreamReset
+from prometheus_client import CollectorRegistry
 from sec_fakes import WAIT_S, FakeEngine, FakeEngineService
 from sec_raw_h2 import grpc_frame, grpc_headers
 
@@ -146,3 +148,15 @@ def test_token_bucket_refills_up_to_burst() -> None:
     assert [bucket.take(100.0) for _ in range(4)] == [True, True, True, False]  # never above the burst
     bucket.credit(2)
     assert [bucket.take(100.0) for _ in range(3)] == [True, True, False]
+
+
+def test_guard_stats_are_exported_to_prometheus() -> None:
+    stats = GuardStats()
+    registry = CollectorRegistry()
+    register_guard_metrics(registry, stats)
+    stats.count_goaway("rapid_reset")
+    stats.count_goaway("rapid_reset")
+    stats.num_dropped_streams = 7
+    assert registry.get_sample_value("engine_http2_goaways_total", {"reason": "rapid_reset"}) == 2
+    assert registry.get_sample_value("engine_http2_dropped_streams_total") == 7
+    assert registry.get_sample_value("engine_http2_refused_streams_total") == 0

@@ -17,6 +17,7 @@ Interface (what the server assembly calls; everything is keyword-only after the 
                                                # API-key check, message-size limit and h2 guard installed
     await server.start(host, port, ssl=config.server_ssl_context())  # None when TLS is off
     server.guard_stats                         # budget.GuardStats: GOAWAYs by reason, refused streams
+    metrics.register_guard_metrics(registry, server.guard_stats)   # engine_http2_* Prometheus counters
 
 Building blocks (usable on their own):
     tls.build_server_ssl_context(*, cert_file, key_file, client_ca_file=None) -> ssl.SSLContext
