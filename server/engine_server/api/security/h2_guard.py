@@ -13,9 +13,9 @@ grpclib sees it:
    token.
 4) SETTINGS, PRIORITY, unknown frames and WINDOW_UPDATEs not paid for by DATA we sent: a token bucket
    (`control_frame_burst`, `control_frame_rate_per_s`); empty -> GOAWAY.
-A GOAWAY here is ENHANCE_YOUR_CALM with the reason as debug data; the connection is then closed (its calls
-are cancelled, which aborts their engine requests). Other connections are unaffected.
 5) A connection without calls for `max_connection_idle_s` gets GOAWAY(NO_ERROR, "idle") and is closed.
+The GOAWAYs of 1-4 are ENHANCE_YOUR_CALM with the reason as debug data; the connection is then closed (its
+calls are cancelled, which aborts their engine requests). Other connections are unaffected.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from functools import partial
 from typing import Any
 
 from grpclib._typing import IServable
+from grpclib.config import Configuration
 from grpclib.protocol import AbstractHandler, EventsProcessor, H2Protocol, Stream
 from grpclib.server import Server
 from h2.config import H2Configuration
@@ -88,7 +89,7 @@ class GuardedH2Protocol(H2Protocol):
     def __init__(
         self,
         handler: AbstractHandler,
-        config: Any,
+        config: Configuration,
         h2_config: H2Configuration,
         *,
         policy: H2Policy,
