@@ -12,6 +12,7 @@ from engine_client import (
     EngineClient,
     EngineError,
     FinishReason,
+    GenerateChunk,
     HealthStatus,
     InvalidRequestError,
     OverloadedError,
@@ -73,7 +74,7 @@ def test_retries_unavailable_but_never_reruns_a_streamed_generate(fake: FakeServ
         assert client.model_info().vocab_size == 1000
         assert len(fake.state.requests) == 3
         fake.state.fail_after = (1, Status.UNAVAILABLE)
-        seen = []
+        seen: list[GenerateChunk] = []
 
         def consume() -> None:
             seen.extend(client.generate(token_ids=[1], max_tokens=4))
