@@ -1,4 +1,4 @@
-"""Canary: the grpclib (0.4.x) internals the security layer hooks into. A grpclib upgrade that fails here
+"""Canary: the grpclib (0.4.x) and h2 internals the security layer hooks into. An upgrade that fails here
 needs api/security/{h2_guard,limits}.py revisited before anything else."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import inspect
 import grpclib.server
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.stream import recv_message
+from h2.settings import SettingCodes, Settings
 
 
 def test_hooks_exist() -> None:
@@ -26,3 +27,9 @@ def test_hooks_exist() -> None:
     assert "recv_message(self._stream, self._codec, self._recv_type)" in source
     assert "self._dispatch.recv_message" in source
     assert "recv_data(5)" in inspect.getsource(recv_message)
+
+
+def test_h2_settings_internals() -> None:
+    # h2_guard makes its MAX_CONCURRENT_STREAMS effective before the peer's ACK through Settings._settings.
+    settings = Settings(client=False, initial_values={SettingCodes.MAX_CONCURRENT_STREAMS: 7})
+    assert list(settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS]) == [7]

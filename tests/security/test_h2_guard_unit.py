@@ -15,7 +15,7 @@ from grpclib.server import Server
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
-from h2.events import StreamReset
+from h2.events import RemoteSettingsChanged, StreamReset
 from prometheus_client import CollectorRegistry
 from sec_fakes import WAIT_S, FakeEngine, FakeEngineService
 from sec_raw_h2 import grpc_frame, grpc_headers
@@ -160,3 +160,28 @@ def test_guard_stats_are_exported_to_prometheus() -> None:
     assert registry.get_sample_value("engine_http2_goaways_total", {"reason": "rapid_reset"}) == 2
     assert registry.get_sample_value("engine_http2_dropped_streams_total") == 7
     assert registry.get_sample_value("engine_http2_refused_streams_total") == 0
+
+
+async def test_stream_limit_applies_from_the_first_byte() -> None:
+    # A client may open streams before it has read our SETTINGS; h2 alone would enforce its own default of
+    # 100 until our SETTINGS are acknowledged and fail the whole connection at the 101st stream.
+    engine = FakeEngine()
+    server = GuardedServer([FakeEngineService(engine)], policy=H2Policy(max_concurrent_streams=300))
+    protocol = server._protocol_factory()
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    client = H2Connection(H2Configuration(client_side=True, header_encoding="utf-8"))
+    client.initiate_connection()
+    for _ in range(150):
+        stream_id = client.get_next_available_stream_id()
+        client.send_headers(stream_id, grpc_headers(1, GENERATE))
+        client.send_data(stream_id, MESSAGE, end_stream=True)
+    protocol.data_received(client.data_to_send())  # preface, SETTINGS and 150 calls in one read
+    assert not transport.is_closing()
+    assert len(protocol.processor.streams) == 150
+    events = client.receive_data(bytes(transport.written))
+    settings = [e for e in events if isinstance(e, RemoteSettingsChanged)]
+    assert client.remote_settings.max_concurrent_streams == 300
+    assert settings
+    protocol.connection_lost(None)
+    await _settle(protocol)

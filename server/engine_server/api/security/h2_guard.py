@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any
@@ -120,10 +121,19 @@ class GuardedH2Protocol(H2Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.processor = GuardedEventsProcessor(self.handler, self.connection)
-        self._h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: self._policy.max_concurrent_streams})
+        self._apply_stream_limit()
         self.connection.flush()
         self._wrap_send_hooks()
         self._schedule_idle_check()
+
+    def _apply_stream_limit(self) -> None:
+        limit = self._policy.max_concurrent_streams
+        # NOTE: h2 applies a local setting only once the peer ACKs it, enforcing its default of 100 until
+        # then: a client that opens more streams right after its preface (before reading our SETTINGS) would
+        # fail the whole connection. Our own limit may take effect at once; the SETTINGS frame advertises it.
+        settings = self._h2.local_settings
+        settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS] = deque([limit])
+        self._h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: limit})
 
     def _schedule_idle_check(self) -> None:
         idle_s = self._policy.max_connection_idle_s
