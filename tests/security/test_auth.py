@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from engine_proto.engine.v1 import generate_pb2, tokenize_pb2
@@ -11,6 +12,7 @@ from engine_server.api.security import SecurityConfig
 from engine_server.api.security.auth import presented_key, resolve_api_key
 from grpclib.client import Channel
 from grpclib.const import Status
+from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
@@ -104,3 +106,36 @@ def test_resolve_api_key(tmp_path: Path) -> None:
         resolve_api_key(api_key="a", api_key_file=str(key_file), environ={})
     with pytest.raises(ValueError, match="cannot read"):
         resolve_api_key(api_key_file=str(key_file) + ".missing", environ={})
+
+
+async def test_later_listeners_see_rejected_calls_with_their_status() -> None:
+    # What the metrics layer does: wrap the method (installed after build_server) and record the status.
+    seen: list[tuple[str, Status]] = []
+
+    async def on_request(event: RecvRequest) -> None:
+        method_func = event.method_func
+
+        async def observed(stream: Any) -> None:
+            try:
+                await method_func(stream)
+            except GRPCError as exc:
+                seen.append((event.method_name, exc.status))
+                raise
+            seen.append((event.method_name, Status.OK))
+
+        event.method_func = observed
+
+    async with serve(SecurityConfig(api_key=KEY)) as served:
+        listen(served.server, RecvRequest, on_request)
+        channel = Channel("127.0.0.1", served.port)
+        try:
+            stub = EngineServiceStub(channel)
+            with pytest.raises(GRPCError):
+                await stub.Tokenize(tokenize_pb2.TokenizeRequest(text="a"), timeout=WAIT_S)
+            await stub.Tokenize(
+                tokenize_pb2.TokenizeRequest(text="a"), metadata={"x-api-key": KEY}, timeout=WAIT_S
+            )
+        finally:
+            channel.close()
+    tokenize = "/engine.v1.EngineService/Tokenize"
+    assert seen == [(tokenize, Status.UNAUTHENTICATED), (tokenize, Status.OK)]

@@ -68,8 +68,8 @@ def build_server(
     """A grpclib server for `handlers` with every protection of `config` installed.
 
     `server_kwargs` go to grpclib's Server (codec, status_details_codec); call it inside the event loop.
-    The API-key check is installed first so unauthenticated calls reach no other RecvRequest listener;
-    listeners the caller adds afterwards run after both.
+    The API-key check is installed first: RecvRequest listeners the caller adds afterwards (metrics) see
+    unauthenticated calls with their UNAUTHENTICATED status, but no servicer runs for them.
     """
     server = GuardedServer(handlers, policy=config.h2, config=config.grpclib_configuration(), **server_kwargs)
     install_api_key_check(server, config.api_key, exempt_services=config.auth_exempt_services)

@@ -1,7 +1,8 @@
 """API-key authentication: one grpclib RecvRequest listener, constant-time comparison.
 
-A RecvRequest listener runs inside grpclib's request handler before the servicer method; a GRPCError raised
-there becomes the call's status (trailers-only response), so the servicer never runs.
+A RecvRequest listener runs inside grpclib's request handler before the servicer method. For a call without
+a valid key it swaps the method for one that fails with UNAUTHENTICATED (a trailers-only response), so the
+servicer never runs, while listeners installed later (metrics) still see the call and its status.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import logging
 import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Any
 
 from grpclib.const import Status
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
-from grpclib.server import Server
+from grpclib.server import Server, Stream
 
 from engine_server.api.security.config import HEALTH_SERVICE, validate_api_key
 
@@ -57,9 +59,9 @@ class ApiKeyCheck:
         return service in self._exempt_services
 
     def is_valid(self, key: str | None) -> bool:
-        presented = _digest(key.encode("utf-8", "surrogateescape")) if key is not None else b""
-        # Always run the comparison, even without a key, so timing reveals nothing.
-        return hmac.compare_digest(presented, self._key_digest) and key is not None
+        # NOTE: the configured key is never empty, so a missing key (hashed as "") never matches.
+        presented = _digest((key or "").encode("utf-8", "surrogateescape"))
+        return hmac.compare_digest(presented, self._key_digest)
 
     async def __call__(self, event: RecvRequest) -> None:
         if self.is_exempt(event.method_name):
@@ -69,7 +71,11 @@ class ApiKeyCheck:
         self.num_rejected += 1
         peer = event.peer.addr()
         log.info("rejected call to %s from %s: missing or invalid API key", event.method_name, peer)
-        raise GRPCError(Status.UNAUTHENTICATED, "missing or invalid API key")
+        event.method_func = _reject
+
+
+async def _reject(stream: Stream[Any, Any]) -> None:
+    raise GRPCError(Status.UNAUTHENTICATED, "missing or invalid API key")
 
 
 def install_api_key_check(
@@ -77,8 +83,8 @@ def install_api_key_check(
 ) -> ApiKeyCheck | None:
     """Require the key on every call except to `exempt_services`; None installs nothing.
 
-    Install it before other RecvRequest listeners (grpclib runs them in order) so unauthenticated calls
-    reach none of them.
+    Install it before other RecvRequest listeners (grpclib runs them in order): the ones after it wrap the
+    rejecting method, so they see UNAUTHENTICATED calls but never reach the servicer for them.
     """
     if api_key is None:
         return None
