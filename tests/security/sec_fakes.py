@@ -25,6 +25,7 @@ class FakeEngine:
 
     num_started: int = 0
     num_aborted: int = 0
+    num_running: int = 0  # counts requests even when they share an id
     running: set[str] = field(default_factory=set)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
@@ -38,6 +39,7 @@ class FakeEngine:
 
     async def generate(self, request_id: str, num_tokens: int) -> AsyncGenerator[int, None]:
         self.num_started += 1
+        self.num_running += 1
         self.running.add(request_id)
         await self._notify()
         try:
@@ -50,6 +52,7 @@ class FakeEngine:
             self.num_aborted += 1
             raise
         finally:
+            self.num_running -= 1
             self.running.discard(request_id)
             # A finally may not await in a closed generator; schedule the notification instead.
             asyncio.get_running_loop().create_task(self._notify())

@@ -174,3 +174,26 @@ async def test_control_frame_flood_gets_goaway(frame: str) -> None:
         assert_calm_goaway(raw, b"control_frame_flood")
         assert num_sent <= 3 * H2Policy().control_frame_burst
         assert served.server.guard_stats.goaways == {"control_frame_flood": 1}
+
+
+async def test_rapid_reset_in_separate_reads_is_bounded_by_the_reset_budget() -> None:
+    # The variant that does reach handlers: a batch of calls, then (next read) their resets, again and again.
+    policy = H2Policy(reset_burst=300, reset_rate_per_s=10.0)
+    message = generate_pb2.GenerateRequest(request_id="rr2").SerializeToString()
+    async with serve(SecurityConfig(h2=policy)) as served:
+        async with bystander(served.port), raw_h2(served.port) as raw:
+            for _ in range(50):
+                if raw.is_closed:
+                    break
+                stream_ids = [raw.start_call(GENERATE, message) for _ in range(100)]
+                await raw.flush()
+                if raw.is_closed:
+                    break
+                for stream_id in stream_ids:
+                    raw.conn.reset_stream(stream_id, error_code=ErrorCodes.CANCEL)
+                await raw.flush()
+            await raw.wait_closed()
+            assert_calm_goaway(raw, b"rapid_reset")
+        # At most the budget (plus the batch in flight) reached the engine, and all of it was aborted.
+        await served.engine.wait_for(lambda: served.engine.num_running == 0)
+        assert served.engine.num_aborted <= policy.reset_burst + 100
