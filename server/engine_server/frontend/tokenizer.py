@@ -40,6 +40,10 @@ class Tokenizer:
         backend = getattr(hf, "backend_tokenizer", None)
         if backend is None:
             raise TokenizerLoadError(f"{str(path)!r} has no fast tokenizer (tokenizer.json); none is served")
+        # NOTE: some tokenizer.json files (MiniLM's) pad every encoding to 128 and truncate at 128; the server
+        # counts, validates and pads tokens itself, so `encode` must return exactly the text's tokens.
+        backend.no_padding()
+        backend.no_truncation()
         self._hf: Any = hf
         self.backend: Any = backend  # tokenizers.Tokenizer
         self.eos_token_id: int | None = hf.eos_token_id
