@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -43,7 +44,7 @@ func goCommand(ctx context.Context, t *testing.T, dir string, args ...string) {
 	cmd := exec.CommandContext(ctx, goBin, args...)
 	cmd.Dir = dir
 	// NOTE: GOWORK=off keeps a workspace file above the temp dir from joining the consumer to other modules.
-	cmd.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=-mod=mod")
+	cmd.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS="+strings.TrimSpace(os.Getenv("GOFLAGS")+" -mod=mod"))
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("go %v in the consumer module: %v\n%s", args, err, out)
 	}

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	engine "github.com/engine-project/engine/clients/go"
+	enginev1 "github.com/engine-project/engine/gen/go/api/engine/v1"
 )
 
 type result struct {
@@ -56,7 +57,14 @@ func run(target, apiKey, prompt string, maxTokens uint32) error {
 	if err != nil {
 		return err
 	}
-	req := engine.TextPrompt(prompt, engine.Greedy(), engine.MaxTokens(maxTokens))
+	// NOTE: a raw generated request (no builders), as a gateway forwarding requests would send it.
+	temperature := float32(0)
+	req := &enginev1.GenerateRequest{
+		Input:    &enginev1.GenerateRequest_Text{Text: prompt},
+		Sampling: &enginev1.SamplingParams{Temperature: &temperature},
+		Stopping: &enginev1.StoppingCriteria{MaxTokens: &maxTokens},
+		Stream:   true,
+	}
 	stream, err := client.Generate(ctx, req)
 	if err != nil {
 		return err
