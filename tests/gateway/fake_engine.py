@@ -36,9 +36,6 @@ class _Request:
 
 
 class FakeTokenizer:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
     def encode(self, text: str, *, add_special_tokens: bool = True) -> Any:
         ids = [ord(c) % 500 + 10 for c in text]
         return SimpleNamespace(token_ids=[1, *ids] if add_special_tokens else ids)
@@ -53,7 +50,7 @@ class FakeEngine:
             dtype="float32", device="cpu", embedding_dim=4, num_parameters=0, num_kv_blocks=64,
             block_size=BLOCK_SIZE,
         )
-        self.tokenizer = FakeTokenizer(tokenizer_dir)
+        self.tokenizer = FakeTokenizer()
         self.state = EngineState.SERVING
         self.delay = delay
         self.requests: dict[str, _Request] = {}

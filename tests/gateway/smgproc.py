@@ -1,0 +1,106 @@
+"""Start the smg gateway (PyPI `smg`) for end-to-end tests: loopback only, bounded waits, always stopped."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+STARTUP_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 15.0
+
+
+def free_port() -> int:
+    # NOTE: smg takes no port 0; a just-released ephemeral port is free in practice on loopback.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def smg_command() -> list[str]:
+    script = Path(sys.executable).parent / "smg"
+    if not script.exists():
+        raise FileNotFoundError("smg is not installed in this venv (requirements-dev.txt pins smg)")
+    return [str(script)]
+
+
+class RunningGateway:
+    def __init__(self, process: subprocess.Popen[bytes], *, port: int, log_path: Path) -> None:
+        self.process = process
+        self.port = port
+        self.log_path = log_path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def workers(self) -> list[dict[str, Any]]:
+        reply = httpx.get(f"{self.url}/workers", timeout=5.0)
+        reply.raise_for_status()
+        workers: list[dict[str, Any]] = reply.json()["workers"]
+        return workers
+
+    def wait_for_workers(self, count: int, *, timeout: float = STARTUP_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Poll GET /workers (bounded) until `count` workers are registered, healthy and ready."""
+        deadline = time.monotonic() + timeout
+        workers: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"smg exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                workers = self.workers()
+            except httpx.HTTPError:
+                workers = []  # not listening yet
+            ready = [w for w in workers if w.get("is_healthy") and w.get("status") == "ready"]
+            if len(ready) >= count:
+                return workers
+            time.sleep(0.2)
+        raise TimeoutError(f"smg did not list {count} healthy workers in {timeout} s: {workers}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(STOP_TIMEOUT_S)
+
+    def __enter__(self) -> RunningGateway:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def start_gateway(worker_targets: list[str], *extra_args: str, policy: str = "round_robin") -> RunningGateway:
+    """`smg launch` on 127.0.0.1 (HTTP and Prometheus), routing to grpc:// workers; returns once listening."""
+    port, metrics_port = free_port(), free_port()
+    log_path = Path(tempfile.mkdtemp(prefix="smg-")) / "smg.log"
+    command = [
+        *smg_command(), "launch", "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        "--worker-urls", *(f"grpc://{target}" for target in worker_targets),
+        "--policy", policy,
+        # Notice a dead worker within seconds (defaults: 60 s interval, 3 failures) and stop promptly.
+        "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+        "--health-check-timeout-secs", "2",
+        "--shutdown-grace-period-secs", "1", "--log-level", "warn",
+        *extra_args,
+    ]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    return RunningGateway(process, port=port, log_path=log_path)
