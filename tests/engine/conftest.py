@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -8,6 +9,16 @@ import torch
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.models.tiny import default_model_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    # Tiny models gain nothing from intra-op threads, and on a loaded machine every op's thread
+    # barrier waits for a free CPU: one thread is several times faster here.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

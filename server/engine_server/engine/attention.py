@@ -28,18 +28,19 @@ class PrefillChunk:
     q_start: int  # offset of the chunk in the flattened batch
     q_end: int
     # None when the chunk starts the sequence (attend to the step's own K/V, causal);
-    # else the cache slots of positions [0, context_len) and a [q_len, context_len] bool mask.
-    context_slots: torch.Tensor | None = None
+    # else the sequence's cache blocks, its context length and a [q_len, context_len] bool mask.
+    context_blocks: torch.Tensor | None = None
+    context_len: int = 0
     mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
 class PagedMetadata:
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_slots, kv_heads, head_dim] x2
-    slot_mapping: torch.Tensor  # [num_tokens]: where each new token's K/V goes
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, d] x2
+    slot_mapping: torch.Tensor  # [num_tokens]: where each new token's K/V goes (block * block_size + offset)
     num_decode: int = 0  # the first num_decode tokens are single-token queries, one per sequence
-    decode_slots: torch.Tensor | None = None  # [num_decode, max_context]
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context], True = attend
+    decode_blocks: torch.Tensor | None = None  # [num_decode * max_blocks]: block tables, flattened, padded
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size]: 0 or -inf
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -57,32 +58,40 @@ def paged_attention_forward(
     if meta is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the paged_metadata forward kwarg")
     k_cache, v_cache = meta.kv_caches[int(getattr(module, "layer_idx", 0))]
+    num_blocks, _, num_kv_heads, head_dim = k_cache.shape
     # 1) write this step's K/V into the paged cache
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
-    num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
-    gqa = num_heads != key.shape[1]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    num_heads, num_tokens = query.shape[1], query.shape[2]
+    gqa = num_heads != num_kv_heads
     out = query.new_empty(num_tokens, num_heads, head_dim)
-    # 2) all decode tokens in one padded SDPA call
+    k_blocks = k_cache.view(num_blocks, -1)
+    v_blocks = v_cache.view(num_blocks, -1)
+    # 2) all decode tokens in one padded SDPA call; whole blocks are gathered (index_select is
+    # much faster than per-slot advanced indexing), positions past each context are masked.
     n = meta.num_decode
     if n:
-        if meta.decode_slots is None or meta.decode_mask is None:
+        if meta.decode_blocks is None or meta.decode_mask is None:
             raise RuntimeError("decode metadata missing")
-        q = query[0, :, :n].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, d]
-        k = k_cache[meta.decode_slots].transpose(1, 2)  # [n, kv_heads, ctx, d]
-        v = v_cache[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=gqa)
-        out[:n] = o[:, :, 0]
+        k = k_blocks.index_select(0, meta.decode_blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_blocks.index_select(0, meta.decode_blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        # NOTE: query heads h*g..h*g+g-1 share kv head h (transformers' repeat_kv order), so the
+        # group rides in the query-length axis and no K/V gets repeated.
+        q = query[0, :, :n].transpose(0, 1).reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)
+        out[:n] = o.reshape(n, num_heads, head_dim)
     # 3) prefill chunks, one sequence at a time
     for chunk in meta.prefills:
         q = query[:, :, chunk.q_start:chunk.q_end]
-        if chunk.context_slots is None:
+        if chunk.context_blocks is None:
             k = key[:, :, chunk.q_start:chunk.q_end]
             v = value[:, :, chunk.q_start:chunk.q_end]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:
-            k = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
-            v = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+            ctx = chunk.context_len
+            k = k_blocks.index_select(0, chunk.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
+            v = v_blocks.index_select(0, chunk.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scaling, enable_gqa=gqa)
         out[chunk.q_start:chunk.q_end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None

@@ -51,6 +51,8 @@ class _RequestState:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         loaded: LoadedModel = load_model(config)
         self.model_info: ModelInfo = loaded.info
         self._loaded = loaded

@@ -26,10 +26,9 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        num_slots = num_blocks * block_size
+        shape = (num_blocks, block_size, kv.num_kv_heads, kv.head_dim)
         self.kv_caches = [
-            (torch.zeros(num_slots, kv.num_kv_heads, kv.head_dim, dtype=dtype, device=device),
-             torch.zeros(num_slots, kv.num_kv_heads, kv.head_dim, dtype=dtype, device=device))
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(kv.num_layers)
         ]
 
@@ -86,11 +85,11 @@ class ModelRunner:
         if s.start == 0:
             return PrefillChunk(q_start, q_end)
         context_len = s.start + s.num_new_tokens
-        slots = torch.tensor(self._slots(s.seq.block_table, 0, context_len), dtype=torch.long,
-                             device=self.device)
+        num_blocks = -(-context_len // self.block_size)
+        blocks = torch.tensor(s.seq.block_table[:num_blocks], dtype=torch.long, device=self.device)
         query_pos = torch.arange(s.start, context_len, device=self.device)
         mask = torch.arange(context_len, device=self.device)[None, :] <= query_pos[:, None]
-        return PrefillChunk(q_start, q_end, slots, mask)
+        return PrefillChunk(q_start, q_end, blocks, context_len, mask)
 
     def _decode_metadata(self, meta: PagedMetadata, decodes: list[ScheduledSeq]) -> None:
         size = self.block_size
@@ -99,9 +98,10 @@ class ModelRunner:
         max_blocks = -(-max_len // size)
         tables = [s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
                   for s in decodes]
-        table_t = torch.tensor(tables, dtype=torch.long, device=self.device)
-        pos = torch.arange(max_len, device=self.device)
         meta.num_decode = len(decodes)
-        meta.decode_slots = table_t[:, pos // size] * size + pos % size
+        meta.decode_blocks = torch.tensor(tables, dtype=torch.long, device=self.device).view(-1)
+        pos = torch.arange(max_blocks * size, device=self.device)
         lens_t = torch.tensor(context_lens, dtype=torch.long, device=self.device)
-        meta.decode_mask = (pos[None, :] < lens_t[:, None])[:, None, None, :]
+        past = pos[None, :] >= lens_t[:, None]
+        mask = torch.zeros(past.shape, dtype=self.kv_caches[0][0].dtype, device=self.device)
+        meta.decode_mask = mask.masked_fill_(past, float("-inf"))[:, None, None, :]
