@@ -58,7 +58,8 @@ func TestGreedyStreamEqualsPythonReference(t *testing.T) {
 	client := dialMain(t)
 	ctx := integrationContext(t)
 	srv := mainServer(t)
-	req := engine.TextPrompt("The quick brown fox", engine.Greedy(), engine.MaxTokens(24), engine.IgnoreEOS())
+	const prompt, maxTokens = "The quick brown fox", 24
+	req := engine.TextPrompt(prompt, engine.Greedy(), engine.MaxTokens(maxTokens), engine.IgnoreEOS())
 	stream, err := client.Generate(ctx, req)
 	if err != nil {
 		t.Fatal(err)
@@ -68,18 +69,25 @@ func TestGreedyStreamEqualsPythonReference(t *testing.T) {
 	if len(got.Choices) != 1 || len(want) != 1 {
 		t.Fatalf("choices: go %d, python %d", len(got.Choices), len(want))
 	}
-	if len(got.Choices[0].TokenIDs) != 24 {
-		t.Errorf("%d tokens, want max_tokens=24", len(got.Choices[0].TokenIDs))
+	if len(got.Choices[0].TokenIDs) != maxTokens {
+		t.Errorf("%d tokens, want max_tokens=%d", len(got.Choices[0].TokenIDs), maxTokens)
 	}
 	if !slices.Equal(got.Choices[0].TokenIDs, want[0].TokenIDs) || got.Text() != want[0].Text {
 		t.Errorf("go and python differ:\n go %v %q\n py %v %q", got.Choices[0].TokenIDs, got.Text(),
 			want[0].TokenIDs, want[0].Text)
 	}
+	// The Python SDK's stream of the same request (built from the same knobs by its own code) agrees too.
+	sdk := pythonClientCompletion(ctx, t, srv, prompt, maxTokens)
+	if !slices.Equal(got.Choices[0].TokenIDs, sdk[0].TokenIDs) || got.Text() != sdk[0].Text ||
+		int32(got.Choices[0].FinishReason) != sdk[0].FinishReason {
+		t.Errorf("go and the Python SDK differ:\n go %v %q\n py %v %q", got.Choices[0].TokenIDs, got.Text(),
+			sdk[0].TokenIDs, sdk[0].Text)
+	}
 	if got.Choices[0].FinishReason != enginev1.FinishReason_FINISH_REASON_LENGTH ||
 		int32(got.Choices[0].FinishReason) != want[0].FinishReason {
 		t.Errorf("finish reason: go %v, python %v", got.Choices[0].FinishReason, want[0].FinishReason)
 	}
-	if got.Usage.GetCompletionTokens() != 24 || got.Usage.GetPromptTokens() == 0 {
+	if got.Usage.GetCompletionTokens() != maxTokens || got.Usage.GetPromptTokens() == 0 {
 		t.Errorf("usage = %v", got.Usage)
 	}
 
@@ -355,4 +363,34 @@ func TestAPIKeyOnPlaintextLoopback(t *testing.T) {
 func majorMinor(version string) string {
 	parts := strings.SplitN(version, ".", 3)
 	return strings.Join(parts[:min(2, len(parts))], ".")
+}
+
+func TestDeadlineAbortsOnServer(t *testing.T) {
+	client := dialMain(t)
+	ctx := integrationContext(t)
+	waitIdle(ctx, t, client)
+	// NOTE: the request runs to the context length (2,000+ engine steps), far longer than the deadline.
+	callCtx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	stream, err := client.Generate(callCtx, longRequest(fmt.Sprintf("go-deadline-%d", time.Now().UnixNano())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var numTokens int
+	for resp, err := range stream.All() {
+		if err != nil {
+			if status.Code(err) != codes.DeadlineExceeded {
+				t.Errorf("stream ended with %v, want DEADLINE_EXCEEDED", err)
+			}
+			break
+		}
+		for _, c := range resp.GetCompletions() {
+			numTokens += len(c.GetTokenIds())
+			if c.GetFinishReason() != enginev1.FinishReason_FINISH_REASON_UNSPECIFIED {
+				t.Fatalf("finished (%v after %d tokens) before the deadline", c.GetFinishReason(), numTokens)
+			}
+		}
+	}
+	t.Logf("%d tokens before the deadline", numTokens)
+	waitIdle(ctx, t, client)
 }
