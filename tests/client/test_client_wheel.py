@@ -60,9 +60,8 @@ def test_wheels_install_into_a_fresh_venv_and_run(engine_server: RunningServer, 
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", venv)
     python = venv / "bin" / "python"
-    install = [UV, "pip", "install", "--python", python, "--no-index", "--find-links", dist, "--no-deps",
-               dist / "engine_proto-0.1.0-py3-none-any.whl", dist / "engine_client-0.1.0-py3-none-any.whl"]
-    run(*install)
+    wheels = [dist / "engine_proto-0.1.0-py3-none-any.whl", dist / "engine_client-0.1.0-py3-none-any.whl"]
+    run(UV, "pip", "install", "--python", python, "--no-index", "--find-links", dist, "--no-deps", *wheels)
     deps = ["grpclib>=0.4.7,<0.5", "grpcio>=1.85.1", "protobuf>=7.35.1,<8"]
     try:
         run(UV, "pip", "install", "--python", python, "--offline", *deps)
