@@ -7,9 +7,7 @@ import (
 	"syscall"
 )
 
-// newProcAttr puts the server in its own process group, so kill reaches the engine core process too.
-func newProcAttr() *syscall.SysProcAttr { return &syscall.SysProcAttr{Setpgid: true} }
-
 func terminate(p *os.Process) { _ = p.Signal(syscall.SIGTERM) }
 
+// kill reaches the whole process group: the server and its engine core process.
 func kill(p *os.Process) { _ = syscall.Kill(-p.Pid, syscall.SIGKILL) }
