@@ -20,6 +20,16 @@ STARTUP_TIMEOUT_S = 240.0  # first start may build the tiny model; two cores sha
 STOP_TIMEOUT_S = 60.0
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the test process dies, so no server is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:  # not Linux / no glibc: best effort only
+        pass
+
+
 def _command() -> list[str]:
     script = Path(sys.executable).parent / "engine-server"
     return [str(script)] if script.exists() else [sys.executable, "-m", "engine_server"]
@@ -87,6 +97,7 @@ def start_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             env=full_env,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
     deadline = time.monotonic() + timeout
     # NOTE: polling a file is the contract with every harness (no log scraping); bounded by `timeout`.

@@ -22,18 +22,20 @@ from typing import TYPE_CHECKING, Any
 
 from engine_proto.engine.v1 import info_pb2
 from grpclib.reflection.service import ServerReflection
-from grpclib.server import Server
 
 from engine_server.api.health import build_health
 from engine_server.api.metrics import ServerMetrics
+from engine_server.api.security import build_server
 from engine_server.api.servicer import EngineServicer
+from engine_server.api.vllm_compat import VllmCompatOptions, VllmEngineServicer
 from engine_server.engine.types import SamplingParams
 from engine_server.frontend.outputs import GenerateRequest
 
 if TYPE_CHECKING:
+    from grpclib.server import Server
+
     from engine_server.api.config import ServerConfig
     from engine_server.api.handle import EngineHandle
-    from engine_server.api.security.config import SecurityConfig
     from engine_server.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -45,20 +47,6 @@ _HANDLER_GRACE_S = 5.0  # after the engine drained: time for handlers to flush t
 def _listen_socket(host: str, port: int) -> socket.socket:
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     return socket.create_server((host, port), family=family, backlog=1024)
-
-
-def build_grpc_server(handlers: list[Any], security: SecurityConfig) -> Server:
-    """The security layer's server (API key, message-size limit, HTTP/2 guard), or a plain one without it."""
-    try:
-        from engine_server.api.security import build_server  # type: ignore[attr-defined,unused-ignore]
-    except ImportError:  # TODO(server): remove once api/security exports build_server
-        from engine_server.api.security.auth import install_api_key_check
-
-        server = Server(handlers, config=security.grpclib_configuration())
-        install_api_key_check(server, security.api_key, exempt_services=security.auth_exempt_services)
-        return server
-    built: Server = build_server(handlers, security)
-    return built
 
 
 def write_ready_file(path: str, *, port: int, metrics_port: int | None = None) -> None:
@@ -89,10 +77,15 @@ class EngineServer:
             served_model_name=name, max_concurrent_streams=config.max_concurrent_streams, metrics=self.metrics
         )
         self.health, self._check = build_health(self.servicer, self._is_serving)
-        handlers: list[Any] = [self.servicer, self.health]
+        # vllm.grpc.engine.VllmEngine on the same port: the smg gateway's worker protocol (docs/deploy.md).
+        self.vllm_servicer = VllmEngineServicer(
+            options=VllmCompatOptions(served_model_name=name, max_num_seqs=engine_config.max_num_seqs),
+            is_ready=self._is_serving,
+        )
+        handlers: list[Any] = [self.servicer, self.health, self.vllm_servicer]
         if config.enable_reflection:
             handlers = ServerReflection.extend(handlers)
-        self._server = build_grpc_server(handlers, config.security)
+        self._server: Server = build_server(handlers, config.security)
         if self.metrics is not None:
             self.metrics.install(self._server)
             self.metrics.watch_load(lambda: self._engine.stats() if self._engine is not None else None)
@@ -119,6 +112,7 @@ class EngineServer:
                     time.monotonic() - started, info.model_path, info.architecture, info.dtype, info.device,
                     info.num_kv_blocks, info.block_size)
         self.servicer.attach(engine, limits=self._limits(engine))
+        self.vllm_servicer.attach(engine)
         await self._warm_up(engine)
         self.servicer.set_ready()
         self._check.refresh()

@@ -1,0 +1,216 @@
+"""The server assembly in process on a fake engine: error mapping, limits, start-up, failure and drain states.
+
+Fast (no model): these cover the paths the real engine cannot be made to take on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from apiutil import CALL_TIMEOUT_S, completion_ids, finish_reasons, greedy_request
+from engine_proto.engine.v1 import generate_pb2, info_pb2
+from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
+from engine_server.api.config import ServerConfig
+from engine_server.api.handle import EngineHandle
+from engine_server.api.server import EngineServer
+from engine_server.engine.config import EngineConfig
+from engine_server.engine.types import EngineOverloaded
+from engine_server.frontend.outputs import EngineState
+from fakes import FakeEngine
+from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from grpclib.health.v1.health_grpc import HealthStub
+from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+
+CONFIG = ServerConfig(port=0, metrics_port=None, drain_timeout_s=5.0)
+
+
+class Harness:
+    def __init__(self, server: EngineServer, engine: FakeEngine) -> None:
+        self.server = server
+        self.engine = engine
+        self.channel = Channel("127.0.0.1", server.port)
+        self.stub = EngineServiceStub(self.channel)
+        self.health = HealthStub(self.channel)
+
+    async def health_status(self, service: str = "") -> int:
+        response = await self.health.Check(HealthCheckRequest(service=service), timeout=CALL_TIMEOUT_S)
+        return int(response.status)
+
+
+async def _started(
+    config: ServerConfig,
+    engine: FakeEngine,
+    *,
+    gate: asyncio.Event | None = None,
+    requested: asyncio.Event | None = None,
+) -> EngineServer:
+    async def start_engine() -> EngineHandle:
+        if requested is not None:
+            requested.set()  # the server listens before it starts the engine
+        if gate is not None:
+            await gate.wait()
+        return engine
+
+    server = EngineServer(config, engine_config=EngineConfig(model="/fake/model"), start_engine=start_engine)
+    return server
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[Harness]:
+    engine = FakeEngine()
+    server = await _started(replace(CONFIG, max_concurrent_streams=4, metrics_port=0), engine)
+    await server.start()
+    h = Harness(server, engine)
+    yield h
+    h.channel.close()
+    await server.close()
+
+
+async def test_generate_on_the_fake(harness: Harness) -> None:
+    responses = await harness.stub.Generate(greedy_request([5, 6], max_tokens=3), timeout=CALL_TIMEOUT_S)
+    assert completion_ids(responses) == [7, 8, 9]
+    assert responses[-1].usage.completion_tokens == 3
+    # Defaults of unset optional fields: temperature unset = 1.0 (0 would be greedy), n = 1.
+    plain = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5]), stream=True)
+    await harness.stub.Generate(plain, timeout=CALL_TIMEOUT_S)
+    params = harness.engine.requests[-1].params
+    assert (params.temperature, params.top_p, params.n, params.max_tokens) == (1.0, 1.0, 1, None)
+    assert harness.engine.requests[-1].detokenize is True
+
+
+async def test_unexpected_error_is_internal_with_a_generic_message(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    harness.engine.fail_with = RuntimeError("secret detail")
+    with caplog.at_level(logging.ERROR), pytest.raises(GRPCError) as caught:
+        await harness.stub.Generate(greedy_request([5], request_id="boom-1"), timeout=CALL_TIMEOUT_S)
+    assert caught.value.status == Status.INTERNAL
+    assert "secret" not in (caught.value.message or "")
+    logged = [r for r in caplog.records if "boom-1" in r.getMessage()]
+    assert logged
+    assert logged[0].exc_info is not None  # the traceback stays in the server log
+
+
+async def test_engine_error_mid_request_is_internal(harness: Harness) -> None:
+    harness.engine.error_text = "the engine failed this request"
+    with pytest.raises(GRPCError) as caught:
+        await harness.stub.Generate(greedy_request([5]), timeout=CALL_TIMEOUT_S)
+    assert caught.value.status == Status.INTERNAL
+
+
+async def test_overloaded_engine_is_resource_exhausted(harness: Harness) -> None:
+    harness.engine.fail_with = EngineOverloaded("too many pending requests")
+    with pytest.raises(GRPCError) as caught:
+        await harness.stub.Generate(greedy_request([5]), timeout=CALL_TIMEOUT_S)
+    assert caught.value.status == Status.RESOURCE_EXHAUSTED
+
+
+async def test_stream_limit_is_resource_exhausted_not_queued(harness: Harness) -> None:
+    harness.engine.gate.clear()
+    calls = [harness.stub.Generate.open(timeout=CALL_TIMEOUT_S) for _ in range(4)]
+    for call in calls:
+        await call.__aenter__()
+        await call.send_message(greedy_request([5], max_tokens=2), end=True)
+        assert await call.recv_message() is not None
+    with pytest.raises(GRPCError) as caught:
+        await harness.stub.Generate(greedy_request([5]), timeout=CALL_TIMEOUT_S)
+    assert caught.value.status == Status.RESOURCE_EXHAUSTED
+    harness.engine.gate.set()
+    for call in calls:
+        assert [m async for m in call]
+        await call.__aexit__(None, None, None)
+    assert await harness.stub.Generate(greedy_request([5]), timeout=CALL_TIMEOUT_S)
+
+
+async def test_client_cancel_closes_the_engine_stream(harness: Harness) -> None:
+    harness.engine.gate.clear()
+    async with harness.stub.Generate.open(timeout=CALL_TIMEOUT_S) as call:
+        await call.send_message(greedy_request([5], max_tokens=10), end=True)
+        assert await call.recv_message() is not None
+        await call.cancel()
+    for _ in range(100):  # the RST_STREAM reaches the handler asynchronously
+        if harness.engine.num_cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert harness.engine.num_cancelled == 1
+    assert not harness.engine.in_flight
+
+
+async def test_metrics_count_calls_by_status(harness: Harness) -> None:
+    await harness.stub.Generate(greedy_request([5], max_tokens=2), timeout=CALL_TIMEOUT_S)
+    with pytest.raises(GRPCError):
+        await harness.stub.Generate(greedy_request([VOCAB_OUTSIDE]), timeout=CALL_TIMEOUT_S)
+    metrics = harness.server.metrics
+    assert metrics is not None
+    sample: Callable[[str, dict[str, str]], Any] = metrics.registry.get_sample_value
+    assert sample("engine_requests_total", {"rpc": "Generate", "code": "OK"}) == 1
+    assert sample("engine_requests_total", {"rpc": "Generate", "code": "INVALID_ARGUMENT"}) == 1
+    assert sample("engine_generated_tokens_total", {}) == 2
+    assert sample("engine_time_to_first_token_seconds_count", {}) == 1
+
+
+VOCAB_OUTSIDE = 10_000
+
+
+async def test_starting_server_is_unavailable_and_not_serving() -> None:
+    engine = FakeEngine()
+    gate, requested = asyncio.Event(), asyncio.Event()
+    server = await _started(CONFIG, engine, gate=gate, requested=requested)
+    starting = asyncio.create_task(server.start())
+    try:
+        await asyncio.wait_for(requested.wait(), CALL_TIMEOUT_S)
+        h = Harness(server, engine)
+        assert await h.health_status() == HealthCheckResponse.NOT_SERVING
+        info = await h.stub.GetServerInfo(info_pb2.GetServerInfoRequest(), timeout=CALL_TIMEOUT_S)
+        assert info.state == info_pb2.ENGINE_STATE_STARTING
+        with pytest.raises(GRPCError) as caught:
+            await h.stub.Generate(greedy_request([5]), timeout=CALL_TIMEOUT_S)
+        assert caught.value.status == Status.UNAVAILABLE
+        gate.set()
+        await starting
+        assert await h.health_status() == HealthCheckResponse.SERVING
+        assert await h.health_status("engine.v1.EngineService") == HealthCheckResponse.SERVING
+        h.channel.close()
+    finally:
+        gate.set()
+        await starting
+        await server.close()
+
+
+async def test_engine_failure_turns_health_not_serving(harness: Harness) -> None:
+    assert await harness.health_status() == HealthCheckResponse.SERVING
+    harness.engine.state = EngineState.FAILED
+    assert await harness.health_status() == HealthCheckResponse.NOT_SERVING
+    load = await harness.stub.GetLoad(info_pb2.GetLoadRequest(), timeout=CALL_TIMEOUT_S)
+    assert load.state == info_pb2.ENGINE_STATE_FAILED
+    with pytest.raises(GRPCError) as caught:
+        await harness.stub.Generate(greedy_request([5]), timeout=CALL_TIMEOUT_S)
+    assert caught.value.status == Status.UNAVAILABLE
+
+
+async def test_drain_aborts_streams_past_the_timeout() -> None:
+    engine = FakeEngine()
+    server = await _started(replace(CONFIG, drain_timeout_s=0.2), engine)
+    await server.start()
+    h = Harness(server, engine)
+    engine.gate.clear()  # held in flight: cannot finish within the drain timeout
+    try:
+        async with h.stub.Generate.open(timeout=CALL_TIMEOUT_S) as call:
+            await call.send_message(greedy_request([5], max_tokens=10), end=True)
+            first = await call.recv_message()
+            assert first is not None
+            draining: Awaitable[None] = asyncio.create_task(server.drain())
+            rest = [m async for m in call]  # status OK
+        await draining
+    finally:
+        h.channel.close()
+        await server.close()
+    assert finish_reasons([first, *rest]) == {0: generate_pb2.FINISH_REASON_ABORT}
+    assert rest[-1].HasField("usage")
