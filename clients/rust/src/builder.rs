@@ -154,7 +154,7 @@ impl ClientBuilder {
         self
     }
 
-    /// Replaces the `user-agent` prefix (tonic appends its own).
+    /// Replaces the `user-agent` prefix (default `engine-rust/VERSION`; tonic appends its own).
     pub fn user_agent(mut self, user_agent: impl Into<String>) -> Self {
         self.user_agent = Some(user_agent.into());
         self
@@ -190,11 +190,9 @@ impl ClientBuilder {
                 .keep_alive_timeout(keepalive.timeout)
                 .keep_alive_while_idle(keepalive.while_idle);
         }
-        if let Some(user_agent) = self.user_agent {
-            endpoint = endpoint
-                .user_agent(user_agent)
-                .map_err(|e| Error::InvalidConfig(format!("user agent: {e}")))?;
-        }
+        let user_agent = self.user_agent.unwrap_or_else(|| format!("engine-rust/{}", crate::VERSION));
+        endpoint =
+            endpoint.user_agent(user_agent).map_err(|e| Error::InvalidConfig(format!("user agent: {e}")))?;
         let settings = Settings {
             interceptor: ApiKeyInterceptor::new(self.api_key.as_deref())?,
             timeout: self.timeout,

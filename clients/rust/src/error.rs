@@ -11,10 +11,10 @@ use tonic::Code;
 #[non_exhaustive]
 pub enum Error {
     /// The server (or tonic on its behalf) answered with a non-OK gRPC status.
-    #[error("rpc failed: {}: {}", .0.code(), .0.message())]
-    Status(#[from] tonic::Status),
+    #[error("rpc failed: {}: {}{}", .0.code(), .0.message(), causes(.0))]
+    Status(tonic::Status),
     /// The connection could not be established (DNS, TCP, TLS handshake, HTTP/2 setup).
-    #[error("transport error: {0}")]
+    #[error("connection failed{}", causes(.0))]
     Transport(#[from] tonic::transport::Error),
     /// The client configuration is invalid (bad endpoint URI, unusable API key, bad TLS material).
     #[error("invalid client configuration: {0}")]
@@ -55,5 +55,47 @@ impl Error {
     }
 }
 
+/// The error's sources, as `: a: b`. tonic's transport errors say only "transport error" themselves; the
+/// cause (certificate rejected, connection refused, ...) is in the chain.
+fn causes(err: &dyn std::error::Error) -> String {
+    let mut text = String::new();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        // NOTE: wrappers often repeat their source's message; print each distinct message once.
+        if !text.ends_with(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+impl From<tonic::Status> for Error {
+    fn from(status: tonic::Status) -> Self {
+        // NOTE: tonic reports its own client-side deadline (grpc-timeout reached before the response headers) as
+        // CANCELLED "Timeout expired"; gRPC says DEADLINE_EXCEEDED, which is also what the server sends when the
+        // deadline passes later. One code for one cause.
+        if status.code() == Code::Cancelled && status.message() == tonic::TimeoutExpired(()).to_string() {
+            return Error::Status(tonic::Status::deadline_exceeded(status.message()));
+        }
+        Error::Status(status)
+    }
+}
+
 /// The result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_side_timeout_is_deadline_exceeded() {
+        let err = Error::from(tonic::Status::cancelled(tonic::TimeoutExpired(()).to_string()));
+        assert_eq!(err.code(), Code::DeadlineExceeded);
+        assert_eq!(Error::from(tonic::Status::cancelled("by peer")).code(), Code::Cancelled);
+        assert!(Error::from(tonic::Status::unavailable("draining")).is_retryable());
+    }
+}

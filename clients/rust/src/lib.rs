@@ -39,6 +39,10 @@ pub use error::{Error, Result};
 pub use stream::{Completion, CompletionOutput, GenerateStream};
 /// The tonic version this crate is built on (for [`tonic::Code`], [`tonic::Request`], TLS types).
 pub use tonic;
+/// This crate's version, sent in the user agent (`engine-rust/VERSION`); released together with the contract.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The contract package this SDK speaks.
+pub const API_VERSION: &str = "engine.v1";
 /// `grpc.health.v1` serving status, as [`Client::health`] returns it.
 pub use tonic_health::pb::health_check_response::ServingStatus;
 
