@@ -224,6 +224,8 @@ async def test_overload_is_refused(model_dir: Path, tokenizer: Tokenizer) -> Non
 async def test_core_failure_ends_every_stream(fake_engine: AsyncEngine, tokenizer: Tokenizer) -> None:
     requests = [_request(tokenizer, f"hold-v{i}", "abc", max_tokens=20) for i in range(5)]
     streams = [fake_engine.generate(request) for request in requests]
+    changes: list[EngineState] = []
+    fake_engine.add_state_listener(changes.append)
     for stream in streams:
         await anext(stream)
     fake_engine.generate(_request(tokenizer, "crash-now", "abc"))  # the fake core raises on its next step
@@ -233,6 +235,7 @@ async def test_core_failure_ends_every_stream(fake_engine: AsyncEngine, tokenize
                 async for _ in stream:
                     pass
     assert fake_engine.state is EngineState.FAILED
+    assert changes == [EngineState.FAILED]
     with pytest.raises(EngineDead):
         fake_engine.generate(_request(tokenizer, "late", "abc"))
     with pytest.raises(EngineDead):

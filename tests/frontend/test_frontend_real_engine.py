@@ -158,7 +158,9 @@ async def test_own_process_serves_then_fails_fast_when_killed(
         for case, outputs in results.items():
             assert _ids(outputs) == reference[case], case
         await _assert_idle_and_free(engine)
-        streams = [engine.generate(_greedy(engine, f"doomed-{i}", "Hello", 400)) for i in range(6)]
+        endless = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        ids = tuple(engine.tokenizer.encode("Hello").token_ids)
+        streams = [engine.generate(GenerateRequest(f"doomed-{i}", ids, endless)) for i in range(6)]
         for stream in streams:
             await anext(stream)
         engine.kill_core()

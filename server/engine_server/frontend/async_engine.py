@@ -62,7 +62,8 @@ class AsyncEngine:
     ) -> None:
         self.model_info = model_info
         self.tokenizer = tokenizer
-        self.state = EngineState.SERVING
+        self._state = EngineState.SERVING
+        self._state_listeners: list[Callable[[EngineState], None]] = []
         self._client = client
         self._stats = stats
         self._max_pending = max_pending
@@ -213,10 +214,28 @@ class AsyncEngine:
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    def add_state_listener(self, listener: Callable[[EngineState], None]) -> None:
+        """`listener(new_state)` runs on the event loop at every change (e.g. to push health to watchers)."""
+        self._state_listeners.append(listener)
+
+    def _set_state(self, state: EngineState) -> None:
+        if state is self._state:
+            return
+        self._state = state
+        for listener in self._state_listeners:
+            try:
+                listener(state)
+            except Exception:
+                logger.exception("engine state listener failed")
+
     def begin_drain(self) -> None:
         """Refuse new requests (EngineDead); in-flight ones go on."""
         if self.state is EngineState.SERVING:
-            self.state = EngineState.DRAINING
+            self._set_state(EngineState.DRAINING)
 
     async def shutdown(self, *, timeout: float) -> None:  # noqa: ASYNC109 - a drain budget
         """Drain for up to `timeout` seconds, abort what is left, stop the core."""
@@ -232,7 +251,7 @@ class AsyncEngine:
         await self._client.close(timeout=max(timeout, 5.0))
         await self._reader_task
         if self.state is not EngineState.FAILED:
-            self.state = EngineState.STOPPED
+            self._set_state(EngineState.STOPPED)
 
     async def _wait_no_requests(self) -> None:
         while self._requests and self._failure is None:
@@ -316,11 +335,11 @@ class AsyncEngine:
 
     def _on_core_gone(self, exc: EngineDead) -> None:
         if self._is_closing:
-            self.state = EngineState.STOPPED
+            self._set_state(EngineState.STOPPED)
             error = EngineDead("the engine was shut down")
         else:
             logger.error("engine core is gone: %s", exc)
-            self.state = EngineState.FAILED
+            self._set_state(EngineState.FAILED)
             error = exc
         self._failure = error
         requests, self._requests = self._requests, {}

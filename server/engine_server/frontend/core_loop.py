@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import traceback
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
@@ -61,6 +62,13 @@ def default_engine_factory(config: EngineConfig) -> EngineCore:
     from engine_server.engine.llm_engine import LLMEngine
 
     return LLMEngine(config)
+
+
+def run_core_process(conn: Connection, config: EngineConfig, engine_factory: EngineFactory) -> None:
+    """Entry point of the core's own process."""
+    # NOTE: Ctrl-C reaches the whole process group; the server decides how to stop (drain, then tell us).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run_core(conn, config, engine_factory)
 
 
 def run_core(conn: Connection, config: EngineConfig, engine_factory: EngineFactory) -> None:

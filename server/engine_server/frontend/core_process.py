@@ -19,7 +19,12 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from engine_server.engine.types import EngineDead
-from engine_server.frontend.core_loop import EngineFactory, default_engine_factory, run_core
+from engine_server.frontend.core_loop import (
+    EngineFactory,
+    default_engine_factory,
+    run_core,
+    run_core_process,
+)
 from engine_server.frontend.messages import Command, CoreMessage, LoadFailed, Ready, ShutdownCommand
 
 if TYPE_CHECKING:
@@ -79,7 +84,7 @@ class CoreClient:
             ctx = multiprocessing.get_context("spawn")
             parent, child = ctx.Pipe(duplex=True)
             process = ctx.Process(
-                target=run_core, args=(child, config, engine_factory), name="engine-core", daemon=True
+                target=run_core_process, args=(child, config, engine_factory), name="engine-core", daemon=True
             )
             process.start()
             child.close()  # else the parent holds the child's end and never sees EOF when the core dies
