@@ -104,8 +104,9 @@ async def serve(config: SecurityConfig) -> AsyncIterator[Served]:
     server = build_server([FakeEngineService(engine), Health()], config)
     await server.start("127.0.0.1", 0, ssl=config.server_ssl_context())
     try:
-        assert isinstance(server._server, asyncio.Server)
-        port = server._server.sockets[0].getsockname()[1]
+        sockets = getattr(server._server, "sockets", None)  # asyncio.Server and uvloop's Server
+        assert sockets
+        port = sockets[0].getsockname()[1]
         yield Served(server, engine, port)
     finally:
         server.close()
