@@ -107,3 +107,24 @@ def make_cert_files(directory: Path) -> CertFiles:
     client_cert, client_key = _write(directory, "client", client)
     other_cert, other_key = _write(directory, "other_client", other_client)
     return CertFiles(ca_cert, server_cert, server_key, client_cert, client_key, other_cert, other_key)
+
+
+def reissue_server_cert(files: CertFiles, *, cert_path: str, key_path: str) -> int:
+    """A new key and certificate for localhost from the same CA, written to the given paths; its serial."""
+    ca_dir = Path(files.ca).parent
+    ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), password=None)
+    ca_cert = x509.load_pem_x509_certificate(Path(files.ca).read_bytes())
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    pair = _issue(
+        "localhost",
+        issuer=(ca_key, ca_cert),
+        is_ca=False,
+        usage=ExtendedKeyUsageOID.SERVER_AUTH,
+        sans=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+    )
+    tmp = Path(cert_path).parent / "reissued"
+    tmp.mkdir(exist_ok=True)
+    new_cert, new_key = _write(tmp, "server", pair)
+    Path(new_cert).replace(cert_path)  # NOTE: rename, as rotation tools do: the watcher sees a new inode
+    Path(new_key).replace(key_path)
+    return pair[1].serial_number

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from ssl import SSLContext
 from typing import Any
 
 from engine_proto.engine.v1 import generate_pb2, tokenize_pb2
@@ -99,10 +100,11 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def serve(config: SecurityConfig) -> AsyncIterator[Served]:
+async def serve(config: SecurityConfig, *, ssl: SSLContext | None = None) -> AsyncIterator[Served]:
+    """Serve the fake on loopback; `ssl` overrides the context built from `config`."""
     engine = FakeEngine()
     server = build_server([FakeEngineService(engine), Health()], config)
-    await server.start("127.0.0.1", 0, ssl=config.server_ssl_context())
+    await server.start("127.0.0.1", 0, ssl=ssl if ssl is not None else config.server_ssl_context())
     try:
         sockets = getattr(server._server, "sockets", None)  # asyncio.Server and uvloop's Server
         assert sockets

@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shutil
 import ssl
+from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
 from engine_proto.engine.v1 import engine_service_pb2_grpc
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from engine_proto.engine.v1.tokenize_pb2 import TokenizeRequest
 from engine_server.api.security import SecurityConfig
-from engine_server.api.security.tls import build_client_ssl_context, build_server_ssl_context
+from engine_server.api.security.tls import (
+    CertificateWatcher,
+    build_client_ssl_context,
+    build_server_ssl_context,
+)
 from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
-from sec_certs import CertFiles
+from sec_certs import CertFiles, reissue_server_cert
 from sec_fakes import WAIT_S, serve
 
 # What a failed handshake looks like to grpclib's client: the TLS alert, or the peer hanging up.
@@ -138,3 +145,33 @@ async def test_grpcio_client_over_mtls_with_api_key(cert_files: CertFiles) -> No
             TokenizeRequest(text="ok"), metadata=(("authorization", "Bearer " + "k" * 32),), timeout=WAIT_S
         )
         assert list(reply.token_ids) == [ord("o"), ord("k")]
+
+
+async def _served_serial(port: int, ca_file: str) -> int:
+    _, writer = await asyncio.wait_for(
+        asyncio.open_connection("127.0.0.1", port, ssl=build_client_ssl_context(ca_file=ca_file)), WAIT_S
+    )
+    try:
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        return x509.load_der_x509_certificate(der).serial_number
+    finally:
+        writer.close()
+
+
+async def test_rotated_certificate_is_reloaded_without_restart(cert_files: CertFiles, tmp_path: Path) -> None:
+    cert, key = str(tmp_path / "server.crt"), str(tmp_path / "server.key")
+    first = reissue_server_cert(cert_files, cert_path=cert, key_path=key)
+    config = SecurityConfig(tls_cert_file=cert, tls_key_file=key)
+    ctx = build_server_ssl_context(cert_file=cert, key_file=key)
+    watcher = CertificateWatcher(ctx, cert_file=cert, key_file=key)
+    async with serve(config, ssl=ctx) as served:
+        assert await _served_serial(served.port, cert_files.ca) == first
+        assert not watcher.check()  # unchanged
+        # Half-way through a rotation (new certificate, old key): skipped, the old pair keeps serving.
+        shutil.copy(cert_files.client_cert, cert)
+        assert not watcher.check()
+        assert await _served_serial(served.port, cert_files.ca) == first
+        second = reissue_server_cert(cert_files, cert_path=cert, key_path=key)
+        assert watcher.check()
+        assert await _served_serial(served.port, cert_files.ca) == second
+        assert watcher.num_reloads == 1

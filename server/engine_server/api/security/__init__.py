@@ -23,6 +23,9 @@ Building blocks (usable on their own):
     tls.build_server_ssl_context(*, cert_file, key_file, client_ca_file=None) -> ssl.SSLContext
         TLS >= 1.2, ALPN "h2"; with client_ca_file, client certificates are REQUIRED and verified.
     tls.build_client_ssl_context(*, ca_file, cert_file=None, key_file=None) -> ssl.SSLContext  (tests, SDKs)
+    tls.CertificateWatcher(ctx, *, cert_file, key_file): .check() -> bool, `await .run(interval_s=60.0)`
+        Reloads a rotated certificate/key pair into the live context (new handshakes); a pair that does not
+        load is skipped and retried. Run `.run()` as a task beside the server.
     auth.install_api_key_check(server, api_key, *, exempt_services=(HEALTH_SERVICE,)) -> ApiKeyCheck | None
         Every call must carry `authorization: Bearer <key>` or `x-api-key: <key>`, compared in constant time;
         otherwise UNAUTHENTICATED. api_key=None installs nothing.
