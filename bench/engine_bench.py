@@ -169,8 +169,8 @@ def run_transformers_cb(model: Any, requests: list[Request], *, num_blocks: int)
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     result = Result("transformers CB")
-    gen = GenerationConfig(  # type: ignore[no-untyped-call]do_sample=False, max_new_tokens=max(r.max_tokens for r in requests),
-                           eos_token_id=-1, pad_token_id=2)
+    gen = GenerationConfig(  # type: ignore[no-untyped-call]
+        do_sample=False, max_new_tokens=max(r.max_tokens for r in requests), eos_token_id=-1, pad_token_id=2)
     cb = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=2048, page_size=16)
     t0 = time.perf_counter()
     outs = model.generate_batch([r.prompt for r in requests], generation_config=gen,
