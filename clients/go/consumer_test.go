@@ -121,3 +121,26 @@ func TestDownstreamConsumerBuildsAndRuns(t *testing.T) {
 		t.Errorf("finish reason: consumer %s, SDK %s", got.FinishReason, want.Choices[0].FinishReason)
 	}
 }
+
+func TestGenerateExampleRuns(t *testing.T) {
+	srv := mainServer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 150*time.Second)
+	defer cancel()
+	bin := filepath.Join(t.TempDir(), "generate")
+	goCommand(ctx, t, ".", "build", "-o", bin, "./examples/generate")
+	cmd := exec.CommandContext(ctx, bin, "-target", srv.Target, "-api-key", mainAPIKey, "-insecure-api-key",
+		"-prompt", "The quick brown fox", "-max-tokens", "5")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("example: %v\n%s", err, out)
+	}
+	if !strings.Contains(string(out), "finish FINISH_REASON_LENGTH, ") ||
+		!strings.Contains(string(out), " + 5 completion tokens]") {
+		t.Errorf("example output:\n%s", out)
+	}
+	// Without -insecure-api-key the example refuses to send the key over plaintext.
+	cmd = exec.CommandContext(ctx, bin, "-target", srv.Target, "-api-key", mainAPIKey)
+	if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), "plaintext") {
+		t.Errorf("example sent the key over plaintext: %v\n%s", err, out)
+	}
+}
