@@ -8,7 +8,7 @@ from typing import Any
 from engine_proto.engine.v1 import generate_pb2
 from engine_server.api.security import H2Policy
 from engine_server.api.security.budget import GuardStats, TokenBucket
-from engine_server.api.security.h2_guard import GuardedServer
+from engine_server.api.security.guarded_server import GuardedServer
 from engine_server.api.security.metrics import register_guard_metrics
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server

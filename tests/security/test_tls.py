@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import shutil
 import ssl
+import time
 from pathlib import Path
 
 import grpc
@@ -175,3 +176,18 @@ async def test_rotated_certificate_is_reloaded_without_restart(cert_files: CertF
         assert watcher.check()
         assert await _served_serial(served.port, cert_files.ca) == second
         assert watcher.num_reloads == 1
+
+
+async def test_started_server_reloads_rotated_certificate(cert_files: CertFiles, tmp_path: Path) -> None:
+    cert, key = str(tmp_path / "server.crt"), str(tmp_path / "server.key")
+    first = reissue_server_cert(cert_files, cert_path=cert, key_path=key)
+    config = SecurityConfig(tls_cert_file=cert, tls_key_file=key, tls_reload_interval_s=0.02)
+    async with serve(config) as served:
+        assert await _served_serial(served.port, cert_files.ca) == first
+        second = reissue_server_cert(cert_files, cert_path=cert, key_path=key)
+        # NOTE: the reload is periodic: poll new handshakes (bounded) until one shows the new certificate.
+        deadline = time.monotonic() + WAIT_S
+        while (serial := await _served_serial(served.port, cert_files.ca)) != second:
+            assert serial == first
+            assert time.monotonic() < deadline, "certificate not reloaded"
+            await asyncio.sleep(0.02)

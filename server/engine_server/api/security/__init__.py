@@ -6,6 +6,7 @@ Interface (what the server assembly calls; everything is keyword-only after the 
 
     config = SecurityConfig(
         tls_cert_file=..., tls_key_file=..., tls_client_ca_file=None,   # str paths or None
+        tls_reload_interval_s=60.0,            # the started server reloads a rotated cert/key pair
         api_key=None,                          # str or None (no auth); see auth.resolve_api_key()
         auth_exempt_services=(HEALTH_SERVICE,), # + REFLECTION_SERVICES to let grpcurl list without a key
         max_receive_message_size=4 << 20,      # bytes
@@ -13,8 +14,8 @@ Interface (what the server assembly calls; everything is keyword-only after the 
         keepalive_time_s=60.0, keepalive_timeout_s=20.0,
         h2=H2Policy(max_concurrent_streams=512, ...),
     )                                          # raises ValueError with a one-line message on bad input
-    server = build_server(handlers, config)    # grpclib Server subclass (h2_guard.GuardedServer) with the
-                                               # API-key check, message-size limit and h2 guard installed
+    server = build_server(handlers, config)    # a grpclib Server subclass (guarded_server.GuardedServer)
+                                               # with the API key, message limits and h2 guard installed
     await server.start(host, port, ssl=config.server_ssl_context())  # None when TLS is off
     server.guard_stats                         # budget.GuardStats: GOAWAYs by reason, refused streams
     metrics.register_guard_metrics(registry, server.guard_stats)   # engine_http2_* Prometheus counters
@@ -25,7 +26,7 @@ Building blocks (usable on their own):
     tls.build_client_ssl_context(*, ca_file, cert_file=None, key_file=None) -> ssl.SSLContext  (tests, SDKs)
     tls.CertificateWatcher(ctx, *, cert_file, key_file): .check() -> bool, `await .run(interval_s=60.0)`
         Reloads a rotated certificate/key pair into the live context (new handshakes); a pair that does not
-        load is skipped and retried. Run `.run()` as a task beside the server.
+        load is skipped and retried. build_server's GuardedServer runs one when started with TLS.
     auth.install_api_key_check(server, api_key, *, exempt_services=(HEALTH_SERVICE,)) -> ApiKeyCheck | None
         Every call must carry `authorization: Bearer <key>` or `x-api-key: <key>`, compared in constant time;
         otherwise UNAUTHENTICATED. api_key=None installs nothing.
@@ -35,7 +36,7 @@ Building blocks (usable on their own):
         A request message whose length prefix exceeds the limit -> RESOURCE_EXHAUSTED before its body is
         buffered; the connection and the server keep serving. A single-message call that does not deliver
         it within receive_timeout_s -> DEADLINE_EXCEEDED.
-    h2_guard.GuardedServer(handlers, *, policy=H2Policy(), **grpclib Server kwargs)
+    guarded_server.GuardedServer(handlers, *, policy=H2Policy(), cert_reload=None, **grpclib Server kwargs)
         PING flood / rapid reset / control-frame floods -> GOAWAY(ENHANCE_YOUR_CALM) + close; idle connections
         -> GOAWAY(NO_ERROR) + close; see h2_guard.py.
 """
@@ -50,7 +51,7 @@ from grpclib._typing import IServable
 from engine_server.api.security.auth import install_api_key_check, resolve_api_key
 from engine_server.api.security.budget import GuardStats
 from engine_server.api.security.config import HEALTH_SERVICE, REFLECTION_SERVICES, H2Policy, SecurityConfig
-from engine_server.api.security.h2_guard import GuardedServer
+from engine_server.api.security.guarded_server import GuardedServer
 from engine_server.api.security.limits import install_message_size_limit
 
 __all__ = [
@@ -74,7 +75,16 @@ def build_server(
     The API-key check is installed first: RecvRequest listeners the caller adds afterwards (metrics) see
     unauthenticated calls with their UNAUTHENTICATED status, but no servicer runs for them.
     """
-    server = GuardedServer(handlers, policy=config.h2, config=config.grpclib_configuration(), **server_kwargs)
+    cert_reload = None
+    if config.tls_cert_file and config.tls_key_file and config.tls_reload_interval_s is not None:
+        cert_reload = (config.tls_cert_file, config.tls_key_file, config.tls_reload_interval_s)
+    server = GuardedServer(
+        handlers,
+        policy=config.h2,
+        cert_reload=cert_reload,
+        config=config.grpclib_configuration(),
+        **server_kwargs,
+    )
     install_api_key_check(server, config.api_key, exempt_services=config.auth_exempt_services)
     install_message_size_limit(
         server, config.max_receive_message_size, receive_timeout_s=config.request_receive_timeout_s

@@ -80,6 +80,8 @@ class SecurityConfig:
     tls_key_file: str | None = None
     # Set: mutual TLS; clients must present a certificate signed by this CA.
     tls_client_ca_file: str | None = None
+    # How often the running server looks for a rotated certificate/key pair (tls.CertificateWatcher).
+    tls_reload_interval_s: float | None = 60.0
     # None: no authentication. NOTE: repr=False keeps the key out of logs and tracebacks.
     api_key: str | None = field(default=None, repr=False)
     # Services callable without the key (full names); probes must reach health.
@@ -103,6 +105,8 @@ class SecurityConfig:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{name}: no such file: {path}")
+        if self.tls_reload_interval_s is not None:
+            _check_positive("tls_reload_interval_s", self.tls_reload_interval_s)
         if self.api_key is not None:
             validate_api_key(self.api_key)
         for service in self.auth_exempt_services:

@@ -24,14 +24,11 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from functools import partial
-from typing import Any
 
-from grpclib._typing import IServable
 from grpclib.config import Configuration
 from grpclib.protocol import AbstractHandler, EventsProcessor, H2Protocol, Stream
-from grpclib.server import Server
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
@@ -283,21 +280,3 @@ class GuardedH2Protocol(H2Protocol):
         if self.connection.is_closing():
             return None
         return self.connection.get_peer().addr()
-
-
-class GuardedServer(Server):
-    """grpclib's Server whose connections are GuardedH2Protocols; `guard_stats` counts what they did."""
-
-    def __init__(
-        self, handlers: Collection[IServable], *, policy: H2Policy | None = None, **kwargs: Any
-    ) -> None:
-        super().__init__(handlers, **kwargs)
-        self.policy = policy if policy is not None else H2Policy()
-        self.guard_stats = GuardStats()
-
-    def _protocol_factory(self) -> H2Protocol:
-        # Let grpclib build (and register) the handler, then rewrap it in our protocol.
-        base = super()._protocol_factory()
-        return GuardedH2Protocol(
-            base.handler, base.config, base.h2_config, policy=self.policy, stats=self.guard_stats
-        )

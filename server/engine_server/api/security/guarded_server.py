@@ -1,0 +1,61 @@
+"""GuardedServer: grpclib's Server with the HTTP/2 guard on every connection and TLS certificate reload."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+from ssl import SSLContext
+from typing import Any
+
+from grpclib._typing import IServable
+from grpclib.protocol import H2Protocol
+from grpclib.server import Server
+
+from engine_server.api.security.budget import GuardStats
+from engine_server.api.security.config import H2Policy
+from engine_server.api.security.h2_guard import GuardedH2Protocol
+from engine_server.api.security.tls import CertificateWatcher
+
+
+class GuardedServer(Server):
+    """grpclib's Server whose connections are GuardedH2Protocols; `guard_stats` counts what they did.
+
+    With `cert_reload` (cert_file, key_file, interval_s) and a TLS context passed to `start`, a rotated
+    certificate is reloaded into that context while the server runs.
+    """
+
+    def __init__(
+        self,
+        handlers: Collection[IServable],
+        *,
+        policy: H2Policy | None = None,
+        cert_reload: tuple[str, str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(handlers, **kwargs)
+        self.policy = policy if policy is not None else H2Policy()
+        self.guard_stats = GuardStats()
+        self._cert_reload = cert_reload
+        self._cert_watch: asyncio.Task[None] | None = None
+
+    async def start(self, *args: Any, ssl: SSLContext | None = None, **kwargs: Any) -> None:
+        await super().start(*args, ssl=ssl, **kwargs)
+        if ssl is not None and self._cert_reload is not None:
+            cert_file, key_file, interval_s = self._cert_reload
+            watcher = CertificateWatcher(ssl, cert_file=cert_file, key_file=key_file)
+            self._cert_watch = asyncio.get_running_loop().create_task(
+                watcher.run(interval_s=interval_s), name="tls-certificate-watcher"
+            )
+
+    def close(self) -> None:
+        if self._cert_watch is not None:
+            self._cert_watch.cancel()
+            self._cert_watch = None
+        super().close()
+
+    def _protocol_factory(self) -> H2Protocol:
+        # Let grpclib build (and register) the handler, then rewrap it in our protocol.
+        base = super()._protocol_factory()
+        return GuardedH2Protocol(
+            base.handler, base.config, base.h2_config, policy=self.policy, stats=self.guard_stats
+        )
