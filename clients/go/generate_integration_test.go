@@ -369,10 +369,12 @@ func TestDeadlineAbortsOnServer(t *testing.T) {
 	client := dialMain(t)
 	ctx := integrationContext(t)
 	waitIdle(ctx, t, client)
-	// NOTE: the request runs to the context length (2,000+ engine steps), far longer than the deadline.
+	// NOTE: 8 completions to the context length: 2,000+ engine steps of 8 sequences, far beyond the deadline.
 	callCtx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
-	stream, err := client.Generate(callCtx, longRequest(fmt.Sprintf("go-deadline-%d", time.Now().UnixNano())))
+	req := longRequest(fmt.Sprintf("go-deadline-%d", time.Now().UnixNano()))
+	engine.N(8)(req)
+	stream, err := client.Generate(callCtx, req)
 	if err != nil {
 		t.Fatal(err)
 	}
