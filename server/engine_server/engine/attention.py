@@ -35,12 +35,20 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Single-token queries of sequences with similar context lengths, attended in one SDPA call."""
+
+    q_start: int
+    q_end: int
+    blocks: torch.Tensor  # [num_seqs * max_blocks]: block tables, flattened, padded with block 0
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size]: 0, or -inf past the context
+
+
+@dataclass(slots=True)
 class PagedMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, d] x2
     slot_mapping: torch.Tensor  # [num_tokens]: where each new token's K/V goes (block * block_size + offset)
-    num_decode: int = 0  # the first num_decode tokens are single-token queries, one per sequence
-    decode_blocks: torch.Tensor | None = None  # [num_decode * max_blocks]: block tables, flattened, padded
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size]: 0 or -inf
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -67,19 +75,18 @@ def paged_attention_forward(
     out = query.new_empty(num_tokens, num_heads, head_dim)
     k_blocks = k_cache.view(num_blocks, -1)
     v_blocks = v_cache.view(num_blocks, -1)
-    # 2) all decode tokens in one padded SDPA call; whole blocks are gathered (index_select is
-    # much faster than per-slot advanced indexing), positions past each context are masked.
-    n = meta.num_decode
-    if n:
-        if meta.decode_blocks is None or meta.decode_mask is None:
-            raise RuntimeError("decode metadata missing")
-        k = k_blocks.index_select(0, meta.decode_blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_blocks.index_select(0, meta.decode_blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # 2) decode tokens, a group of similar context lengths per padded SDPA call; whole blocks are
+    # gathered (index_select is much faster than per-slot indexing), positions past each context masked.
+    for group in meta.decodes:
+        n = group.q_end - group.q_start
+        k = k_blocks.index_select(0, group.blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_blocks.index_select(0, group.blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
         # NOTE: query heads h*g..h*g+g-1 share kv head h (transformers' repeat_kv order), so the
         # group rides in the query-length axis and no K/V gets repeated.
-        q = query[0, :, :n].transpose(0, 1).reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)
-        out[:n] = o.reshape(n, num_heads, head_dim)
+        q = query[0, :, group.q_start:group.q_end].transpose(0, 1)
+        q = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
+        out[group.q_start:group.q_end] = o.reshape(n, num_heads, head_dim)
     # 3) prefill chunks, one sequence at a time
     for chunk in meta.prefills:
         q = query[:, :, chunk.q_start:chunk.q_end]

@@ -6,9 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_server.engine.attention import PagedMetadata, PrefillChunk
+from engine_server.engine.attention import DecodeGroup, PagedMetadata, PrefillChunk
 from engine_server.engine.loader import KVShape
 from engine_server.engine.scheduler import ScheduledSeq
+
+
+DECODE_GROUP_MIN = 8  # fewer sequences than this are not worth their own SDPA call
 
 
 @dataclass(slots=True)
@@ -40,7 +43,8 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[StepLogits, list[ScheduledSeq]]:
         """Runs the model; returns the logits and the order the sequences were laid out in."""
         # NOTE: single-token queries (decodes, and 1-token chunks) go first so they share one SDPA call.
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        # Sorted by context length so that each decode group pads little.
+        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         input_ids: list[int] = []
         positions: list[int] = []
@@ -70,8 +74,10 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             prefills=chunks,
         )
-        if decodes:
-            self._decode_metadata(meta, decodes)
+        group_start = 0
+        for group_end in self._decode_group_ends(decodes):
+            meta.decodes.append(self._decode_group(decodes, group_start, group_end))
+            group_start = group_end
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -91,17 +97,31 @@ class ModelRunner:
         mask = torch.arange(context_len, device=self.device)[None, :] <= query_pos[:, None]
         return PrefillChunk(q_start, q_end, blocks, context_len, mask)
 
-    def _decode_metadata(self, meta: PagedMetadata, decodes: list[ScheduledSeq]) -> None:
+    def _decode_group_ends(self, decodes: list[ScheduledSeq]) -> list[int]:
+        """Splits the length-sorted decodes where padding to the group's longest would waste > 1/4."""
+        ends: list[int] = []
+        first = 0
+        for i in range(1, len(decodes) + 1):
+            if i == len(decodes):
+                ends.append(i)
+                break
+            limit = (decodes[first].start + 1) * 4 // 3 + self.block_size
+            if decodes[i].start + 1 > limit and i - first >= DECODE_GROUP_MIN:
+                ends.append(i)
+                first = i
+        return ends
+
+    def _decode_group(self, decodes: list[ScheduledSeq], first: int, end: int) -> DecodeGroup:
         size = self.block_size
-        context_lens = [s.start + 1 for s in decodes]
-        max_len = max(context_lens)
-        max_blocks = -(-max_len // size)
+        group = decodes[first:end]
+        context_lens = [s.start + 1 for s in group]
+        max_blocks = -(-max(context_lens) // size)
         tables = [s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
-                  for s in decodes]
-        meta.num_decode = len(decodes)
-        meta.decode_blocks = torch.tensor(tables, dtype=torch.long, device=self.device).view(-1)
+                  for s in group]
         pos = torch.arange(max_blocks * size, device=self.device)
         lens_t = torch.tensor(context_lens, dtype=torch.long, device=self.device)
         past = pos[None, :] >= lens_t[:, None]
         mask = torch.zeros(past.shape, dtype=self.kv_caches[0][0].dtype, device=self.device)
-        meta.decode_mask = mask.masked_fill_(past, float("-inf"))[:, None, None, :]
+        return DecodeGroup(q_start=first, q_end=end,
+                           blocks=torch.tensor(tables, dtype=torch.long, device=self.device).view(-1),
+                           mask=mask.masked_fill_(past, float("-inf"))[:, None, None, :])
