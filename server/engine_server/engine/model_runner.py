@@ -10,7 +10,6 @@ from engine_server.engine.attention import DecodeGroup, PagedMetadata, PrefillCh
 from engine_server.engine.loader import KVShape
 from engine_server.engine.scheduler import ScheduledSeq
 
-
 DECODE_GROUP_MIN = 8  # fewer sequences than this are not worth their own SDPA call
 
 
