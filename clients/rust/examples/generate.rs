@@ -7,8 +7,7 @@
 
 use std::io::Write;
 
-use engine_client::{request, Client};
-use tokio_stream::StreamExt;
+use engine_client::{request, Client, StreamExt};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

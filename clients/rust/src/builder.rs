@@ -1,5 +1,6 @@
 //! Connection settings: endpoint, TLS, API key, timeouts, keepalive and message sizes.
 
+use std::fmt;
 use std::time::Duration;
 
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
@@ -16,7 +17,7 @@ pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 64 * 1024 * 1024;
 ///
 /// Converts into tonic's [`ClientTlsConfig`]; pass a [`ClientTlsConfig`] to [`ClientBuilder::tls`] directly for
 /// anything this type does not cover.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct TlsConfig {
     ca_certificates_pem: Vec<Vec<u8>>,
     identity_pem: Option<(Vec<u8>, Vec<u8>)>,
@@ -45,6 +46,17 @@ impl TlsConfig {
     pub fn domain_name(mut self, name: impl Into<String>) -> Self {
         self.domain_name = Some(name.into());
         self
+    }
+}
+
+// NOTE: hand-written so that the private key never reaches a log.
+impl fmt::Debug for TlsConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TlsConfig")
+            .field("num_ca_certificates", &self.ca_certificates_pem.len())
+            .field("has_client_identity", &self.identity_pem.is_some())
+            .field("domain_name", &self.domain_name)
+            .finish()
     }
 }
 
@@ -89,7 +101,7 @@ pub struct Keepalive {
 ///     .await?;
 /// # Ok(()) }
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ClientBuilder {
     target: String,
     tls: Option<ClientTlsConfig>,
@@ -202,6 +214,23 @@ impl ClientBuilder {
     }
 }
 
+// NOTE: hand-written so that neither the API key nor a TLS private key (tonic's `Identity` prints its bytes)
+// reaches a log.
+impl fmt::Debug for ClientBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientBuilder")
+            .field("target", &self.target)
+            .field("has_tls", &self.tls.is_some())
+            .field("has_api_key", &self.api_key.is_some())
+            .field("timeout", &self.timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("keepalive", &self.keepalive)
+            .field("max_message_size", &self.max_message_size)
+            .field("user_agent", &self.user_agent)
+            .finish()
+    }
+}
+
 /// What the client applies per call once connected.
 #[derive(Clone, Debug)]
 pub(crate) struct Settings {
@@ -246,6 +275,15 @@ mod tests {
         for (target, tls) in [("https://h:1", false), ("http://h:1", true), ("unix:///tmp/s", false)] {
             let err = target_uri(target, tls).unwrap_err();
             assert!(matches!(err, Error::InvalidConfig(_)), "{target} {tls}: {err}");
+        }
+    }
+
+    #[test]
+    fn debug_output_hides_secrets() {
+        let tls = TlsConfig::new().client_identity_pem("CERT", "SECRET-KEY");
+        let builder = ClientBuilder::new("h:1").api_key("SECRET-API-KEY").tls(tls.clone());
+        for text in [format!("{tls:?}"), format!("{builder:?}")] {
+            assert!(!text.contains("SECRET"), "{text}");
         }
     }
 

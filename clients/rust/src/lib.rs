@@ -1,8 +1,7 @@
 //! Async Rust client for the `engine.v1` gRPC inference API.
 //!
 //! ```no_run
-//! use engine_client::{request, Client};
-//! use tokio_stream::StreamExt;
+//! use engine_client::{request, Client, StreamExt};
 //!
 //! # async fn run() -> engine_client::Result<()> {
 //! let client = Client::connect("127.0.0.1:50051").await?;
@@ -37,6 +36,9 @@ pub use builder::{ClientBuilder, Keepalive, TlsConfig, DEFAULT_MAX_MESSAGE_SIZE}
 pub use client::{AuthChannel, Client, ENGINE_SERVICE_NAME};
 pub use error::{Error, Result};
 pub use stream::{Completion, CompletionOutput, GenerateStream};
+/// The stream traits of [`GenerateStream`] (`next().await` and the other combinators), re-exported so that
+/// users need no extra dependency.
+pub use tokio_stream::{Stream, StreamExt};
 /// The tonic version this crate is built on (for [`tonic::Code`], [`tonic::Request`], TLS types).
 pub use tonic;
 /// This crate's version, sent in the user agent (`engine-rust/VERSION`); released together with the contract.

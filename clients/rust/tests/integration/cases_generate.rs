@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use engine_client::proto::{FinishReason, GenerateRequest};
 use engine_client::tonic::Code;
+use engine_client::StreamExt;
 use engine_client::{request, Client, Completion};
-use tokio_stream::StreamExt;
 
 use crate::support::{connect, generate_error, python_generate, unique_id, wait_idle};
 use crate::{Ctx, Srv};
@@ -136,15 +136,37 @@ pub async fn abort_by_id(ctx: Arc<Ctx>) {
 pub async fn cancel_by_drop(ctx: Arc<Ctx>) {
     let client = connect(ctx.target(Srv::Plain)).await;
     let request_id = unique_id("drop");
-    let mut stream = client.generate(long_request(&client, &request_id).await).await.unwrap();
-    stream.next().await.unwrap().unwrap();
+    let request = long_request(&client, &request_id).await;
+    let max_tokens = request.stopping.as_ref().unwrap().max_tokens.unwrap();
+    let mut stream = client.generate(request).await.unwrap();
+    // Read a few messages to learn how fast this server generates, so that "idle soon after the drop" can be
+    // told apart from "the request ran to its end".
+    let begin = Instant::now();
+    let mut received = 0;
+    for _ in 0..8 {
+        received += stream
+            .next()
+            .await
+            .unwrap()
+            .unwrap()
+            .completions
+            .iter()
+            .map(|c| c.token_ids.len())
+            .sum::<usize>();
+    }
+    let tokens_per_s = received as f64 / begin.elapsed().as_secs_f64();
+    let natural_s = (max_tokens as usize - received) as f64 / tokens_per_s;
     let load = client.load().await.unwrap().load.unwrap();
     assert_eq!(load.num_running_requests + load.num_waiting_requests, 1, "{load:?}");
 
     let begin = Instant::now();
     drop(stream);
     wait_idle(&client).await;
-    println!("  cancel: server idle {:.3}s after the drop", begin.elapsed().as_secs_f64());
+    let idle_s = begin.elapsed().as_secs_f64();
+    println!(
+        "  cancel: server idle {idle_s:.3}s after the drop; running to the end would take ~{natural_s:.0}s"
+    );
+    assert!(idle_s < natural_s / 4.0, "idle after {idle_s:.2}s: the request was not cancelled");
     // The request is gone from the engine, not merely hidden: Abort no longer finds it.
     assert!(client.abort([request_id.as_str()]).await.unwrap().is_empty());
 }

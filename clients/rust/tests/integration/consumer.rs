@@ -9,8 +9,7 @@ use std::time::Instant;
 use crate::support::connect;
 use crate::{Ctx, Srv};
 
-const MAIN_RS: &str = r#"use engine_client::{request, Client};
-use tokio_stream::StreamExt;
+const MAIN_RS: &str = r#"use engine_client::{request, Client, StreamExt};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -41,7 +40,6 @@ publish = false
 [dependencies]
 engine-client = {{ path = {sdk:?} }}
 tokio = {{ version = "1", features = ["macros", "rt-multi-thread", "time"] }}
-tokio-stream = "0.1"
 
 [workspace]
 "#,
@@ -74,7 +72,7 @@ pub async fn downstream_crate_builds_and_runs(ctx: Arc<Ctx>) {
     let dir_for_build = dir.clone();
     let build = tokio::task::spawn_blocking(move || {
         Command::new(cargo)
-            .args(["build", "--quiet"])
+            .args(["build", "--color", "never"])
             .current_dir(&dir_for_build)
             .env("CARGO_TARGET_DIR", &target_dir)
             .env_remove("RUSTFLAGS")
@@ -84,7 +82,14 @@ pub async fn downstream_crate_builds_and_runs(ctx: Arc<Ctx>) {
     .await
     .unwrap();
     assert!(build.status.success(), "consumer build failed:\n{}", String::from_utf8_lossy(&build.stderr));
-    println!("  consumer built in {:.1}s", begin.elapsed().as_secs_f64());
+    let log = String::from_utf8_lossy(&build.stderr);
+    let compiled: Vec<&str> = log.lines().filter_map(|line| line.trim().strip_prefix("Compiling ")).collect();
+    let blocked = log.lines().any(|line| line.contains("Blocking"));
+    println!(
+        "  consumer built in {:.1}s{}; compiled {compiled:?}",
+        begin.elapsed().as_secs_f64(),
+        if blocked { " (waited for a cargo lock)" } else { "" }
+    );
 
     let binary = consumer_target_dir(&sdk_dir).join("debug/engine-client-consumer");
     let target = ctx.target(Srv::Plain);

@@ -5,9 +5,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use engine_client::proto::GenerateRequest;
+use engine_client::StreamExt;
 use engine_client::{Client, Error};
 use prost::Message;
-use tokio_stream::StreamExt;
 
 use crate::server::python_bin;
 
