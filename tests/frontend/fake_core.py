@@ -3,6 +3,7 @@
 Each completion echoes its prompt token by token (cycling), so a test controls the generated text by
 choosing the prompt. Blocks are accounted like a paged cache (ceil(tokens / block_size) per sequence).
 Failure injection: a request whose id starts with "crash" makes the next step() raise. A request whose id
+starts with "fail" ends with FinishReason.ERROR at its first step (the core lives on). One whose id
 starts with "hold" never finishes on its own: after max_tokens it stays running, silent, until aborted.
 """
 
@@ -102,6 +103,11 @@ class FakeCore:
             params = request.params
             if request.request_id.startswith("hold") and len(seq.output) >= (params.max_tokens or 1):
                 still_running.append(seq)
+                continue
+            if request.request_id.startswith("fail"):
+                failed = self._finish(seq, FinishReason.ERROR, None)
+                failed.error = "injected request failure"
+                deltas.append(failed)
                 continue
             token_id = prompt[len(seq.output) % len(prompt)]
             seq.output.append(token_id)

@@ -242,6 +242,19 @@ async def test_core_failure_ends_every_stream(fake_engine: AsyncEngine, tokenize
         await fake_engine.embed([[1, 2]], normalize=False)
 
 
+async def test_a_failed_request_reports_its_error_and_others_go_on(
+    fake_engine: AsyncEngine, tokenizer: Tokenizer
+) -> None:
+    good = fake_engine.generate(_request(tokenizer, "fine", "abc def"))
+    outputs = await _collect(fake_engine, _request(tokenizer, "fail-1", "abc", n=2))
+    assert outputs[-1].finished
+    assert outputs[-1].error == "injected request failure"
+    assert {chunk.finish_reason for output in outputs for chunk in output.chunks} == {FinishReason.ERROR}
+    assert _text([output async for output in good]) == "abc def"
+    assert fake_engine.state is EngineState.SERVING
+    await _assert_all_free(fake_engine)
+
+
 async def test_embed_round_trip(fake_engine: AsyncEngine) -> None:
     vectors = await fake_engine.embed([[3, 4], [5]], normalize=False)
     assert vectors == [[2.0, 7.0, 1.0, 0.0], [1.0, 5.0, 1.0, 0.0]]

@@ -119,6 +119,20 @@ async def test_sampled_text_is_exactly_the_full_decode(engine: AsyncEngine) -> N
         assert "".join(chunk.text for chunk in chunks) == engine.tokenizer.decode(token_ids)
 
 
+async def test_logprobs_ride_with_their_tokens(engine: AsyncEngine) -> None:
+    ids = tuple(engine.tokenizer.encode("The quick brown fox").token_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, prompt_logprobs=1)
+    outputs = await _collect(engine, GenerateRequest("logprobs", ids, params))
+    assert outputs[0].prompt_logprobs is not None
+    assert len(outputs[0].prompt_logprobs) == len(ids)
+    assert all(output.prompt_logprobs is None for output in outputs[1:])
+    for output in outputs:
+        for chunk in output.chunks:
+            assert chunk.logprobs is not None
+            assert [logprob.token_id for logprob in chunk.logprobs] == chunk.token_ids
+            assert all(len(logprob.top) == 2 for logprob in chunk.logprobs)
+
+
 async def test_stop_string_on_real_output(engine: AsyncEngine) -> None:
     full = await _collect(engine, _greedy(engine, "nostop", "Once upon a time there was", 24))
     text = _text(full)

@@ -105,6 +105,9 @@ class AsyncEngine:
         except TokenizerLoadError as exc:
             await client.close(timeout=10.0)
             raise EngineLoadError(str(exc)) from exc
+        except asyncio.CancelledError:
+            client.abandon()
+            raise
         if max_pending is None:
             max_pending = config.max_num_seqs + config.max_waiting
         return cls(

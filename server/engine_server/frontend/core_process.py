@@ -92,6 +92,9 @@ class CoreClient:
         client = cls(reader=reader, writer=writer, process=process, thread=thread)
         try:
             first = await client.recv()
+        except asyncio.CancelledError:
+            client.abandon()
+            raise
         except CoreGone as exc:
             await client.close(timeout=5.0)
             suffix = client._exit_suffix()
@@ -153,6 +156,14 @@ class CoreClient:
             return ""
         code = self._process.exitcode
         return f" (exit code {code})" if code is not None else ""
+
+    def abandon(self) -> None:
+        """Stop the core without waiting (a cancelled start): kill the process, or tell the thread to stop."""
+        self.kill()
+        if not self._writer.is_closing():
+            self.send(ShutdownCommand())
+            self._flush()
+            self._writer.close()
 
     async def close(self, *, timeout: float) -> None:  # noqa: ASYNC109 - a join budget
         """Ask the core to stop, wait up to `timeout` seconds, then kill it."""
