@@ -12,7 +12,6 @@ import json
 import signal
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +38,12 @@ def workers() -> Iterator[list[RunningServer]]:
     args = ("--served-model-name", MODEL, "--max-num-seqs", "8", "--drain-timeout", "1")
     # One worker with its engine core in a process of its own (the default), one with it on a thread: both
     # cancellation paths are exercised, and the second starts faster (one torch import).
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start_server, *args, *extra) for extra in ((), ("--in-process-engine",))]
-        servers = [future.result() for future in futures]
+    # NOTE: started from this thread, one after the other: serverproc sets PR_SET_PDEATHSIG, which fires
+    # when the *thread* that started the server exits (a thread pool's would kill them at once).
+    servers: list[RunningServer] = []
     try:
+        for extra in ((), ("--in-process-engine",)):
+            servers.append(start_server(*args, *extra))
         yield servers
     finally:
         for server in servers:

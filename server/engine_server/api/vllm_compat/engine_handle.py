@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from engine_server.engine.types import EngineStats
@@ -27,9 +26,6 @@ class EncodingLike(Protocol):
 
 
 class TokenizerLike(Protocol):
-    @property
-    def path(self) -> Path: ...
-
     def encode(self, text: str, *, add_special_tokens: bool = True) -> EncodingLike: ...
 
 
@@ -42,12 +38,6 @@ class EngineHandle(Protocol):
 
     @property
     def state(self) -> EngineState: ...
-
-    @property
-    def num_running(self) -> int: ...
-
-    @property
-    def num_waiting(self) -> int: ...
 
     def stats(self) -> EngineStats: ...
 

@@ -82,6 +82,11 @@ class ResponseBuilder:
         self._has_sent_input_logprobs = False
         self._num_cached_tokens = 0
 
+    @property
+    def num_completion_tokens(self) -> int:
+        """Tokens generated so far, all completions together."""
+        return sum(len(completion.token_ids) for completion in self._completions.values())
+
     def on_output(self, output: GenerateOutput) -> list[Any]:
         """The messages this output produces. Raises EngineRequestFailed for an engine failure."""
         if output.error is not None:

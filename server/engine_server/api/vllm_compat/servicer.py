@@ -18,6 +18,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -32,6 +33,9 @@ from .requests import engine_request_id, generate_request_from_proto
 from .responses import EngineRequestFailed, ResponseBuilder
 from .service import RpcStream, VllmEngineBase
 from .tokenizer_bundle import TokenizerBundle, build_tokenizer_bundle
+
+if TYPE_CHECKING:
+    from engine_server.api.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +73,10 @@ class VllmEngineServicer(VllmEngineBase):
         *,
         options: VllmCompatOptions | None = None,
         is_ready: Callable[[], bool] | None = None,
+        metrics: ServerMetrics | None = None,
     ) -> None:
         self._options = options or VllmCompatOptions()
+        self._metrics = metrics  # the server's Prometheus metrics: gateway calls count like engine.v1 ones
         self._is_ready = is_ready  # the server's own readiness (e.g. warmed up, not draining)
         self._start_time = time.time()
         self._last_receive_time = 0.0
@@ -112,6 +118,8 @@ class VllmEngineServicer(VllmEngineBase):
                 num_prompt_logprobs=params.prompt_logprobs,
                 stop_token_ids=params.stop_token_ids,
             )
+            metrics = self._metrics
+            timer = metrics.request_timer() if metrics is not None else None
             # NOTE: aclosing: a cancelled handler (RST_STREAM) or a failed send aborts the engine request.
             async with aclosing(engine.generate(generate_request)) as outputs:
                 async for output in outputs:
@@ -120,8 +128,13 @@ class VllmEngineServicer(VllmEngineBase):
                     except EngineRequestFailed as exc:
                         logger.error("request %r failed in the engine: %s", request.request_id, exc)
                         raise GRPCError(Status.INTERNAL, "the engine failed running the request") from exc
+                    if timer is not None:
+                        timer.on_output(sum(len(chunk.token_ids) for chunk in output.chunks))
                     for message in messages:
                         await stream.send_message(message)
+            if timer is not None and metrics is not None:
+                metrics.on_request_done(timer, num_prompt_tokens=len(generate_request.prompt_token_ids),
+                                        num_completion_tokens=builder.num_completion_tokens)
 
     async def Abort(self, stream: RpcStream) -> None:
         request = await stream.recv_message()
@@ -166,9 +179,9 @@ class VllmEngineServicer(VllmEngineBase):
             vocab_size=info.vocab_size,
             supports_vision=False,
             served_model_name=self._options.served_model_name or info.model_path,
-            # A local directory the gateway loads the tokenizer (and chat template) from; it must be
-            # readable where smg runs (else smg falls back to GetTokenizer / its --tokenizer-path).
-            tokenizer_path=str(self._engine.tokenizer.path),
+            # The frontend loads its tokenizer (and chat template) from the model directory; smg loads the
+            # same one from this path, so it must be readable where smg runs (else GetTokenizer's bundle).
+            tokenizer_path=info.model_path,
             model_type=self._model_type,
             architectures=[info.architecture],
             eos_token_ids=list(info.eos_token_ids),
@@ -181,8 +194,9 @@ class VllmEngineServicer(VllmEngineBase):
         await stream.recv_message()
         engine = self._engine
         info = engine.model_info
+        stats = engine.stats()
         await stream.send_message(pb.GetServerInfoResponse(
-            active_requests=engine.num_running + engine.num_waiting,
+            active_requests=stats.num_running + stats.num_waiting,
             is_paused=engine.state is EngineState.DRAINING,
             last_receive_timestamp=self._last_receive_time,
             uptime_seconds=time.time() - self._start_time,
@@ -199,9 +213,9 @@ class VllmEngineServicer(VllmEngineBase):
         engine = self._engine
         stats = engine.stats()
         block_size = engine.model_info.block_size
-        # NOTE: running/waiting come from the frontend (exact, and current even when the core is idle);
-        # KV usage from the core's latest step.
-        num_running, num_waiting = engine.num_running, engine.num_waiting
+        # NOTE: the core's snapshot after its latest step (an abort or a finish triggers one), so an idle
+        # engine reports zero; the same numbers engine.v1 GetLoad reports.
+        num_running, num_waiting = stats.num_running, stats.num_waiting
         load = pb.SchedulerLoad(
             dp_rank=0,
             num_running_reqs=num_running,
@@ -221,7 +235,7 @@ class VllmEngineServicer(VllmEngineBase):
         await stream.recv_message()
         bundle = self._tokenizer_bundle
         if bundle is None:
-            directory = Path(self._engine.tokenizer.path)
+            directory = Path(self._engine.model_info.model_path)
             try:
                 # NOTE: file I/O and compression stay off the event loop (streams keep flowing meanwhile).
                 bundle = await asyncio.to_thread(build_tokenizer_bundle, directory)
@@ -238,9 +252,10 @@ def vllm_handlers(
     *,
     options: VllmCompatOptions | None = None,
     is_ready: Callable[[], bool] | None = None,
+    metrics: ServerMetrics | None = None,
 ) -> list[VllmEngineServicer]:
     """The servicers to add to the grpclib Server (beside engine.v1, on the same port).
 
     Pass `engine=None` when the server listens before the model is loaded, then `attach(engine)` each one.
     """
-    return [VllmEngineServicer(engine, options=options, is_ready=is_ready)]
+    return [VllmEngineServicer(engine, options=options, is_ready=is_ready, metrics=metrics)]
