@@ -74,8 +74,9 @@ def test_similar_sentences_are_closer(embedder: LLMEngine, tokenize: Any) -> Non
 
 
 def test_invalid_inputs(embedder: LLMEngine) -> None:
-    for inputs, field_name in [([], "input"), ([[]], "input[0]"), ([[101], [30522]], "input[1]"),
-                               ([[101] * 257], "input[0]")]:
+    cases: list[tuple[list[list[int]], str]] = [
+        ([], "input"), ([[]], "input[0]"), ([[101], [30522]], "input[1]"), ([[101] * 257], "input[0]")]
+    for inputs, field_name in cases:
         with pytest.raises(RequestError) as err:
             embedder.embed(inputs, normalize=True)
         assert err.value.field_name == field_name

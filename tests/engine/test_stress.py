@@ -37,7 +37,7 @@ def test_random_workload_with_aborts_keeps_every_invariant(model_dir: Path) -> N
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=24, max_num_batched_tokens=48,
                                     max_num_seqs=12, max_model_len=384))
     free_at_start = engine.stats().num_free_blocks
-    requests = {}
+    requests: dict[str, EngineRequest] = {}
     for i in range(40):
         prompt = tuple(rng.randrange(3, 1000) for _ in range(rng.randrange(1, 60)))
         if i % 4 == 1:  # shared prefixes for prefix-cache hits
@@ -77,7 +77,8 @@ def test_random_workload_with_aborts_keeps_every_invariant(model_dir: Path) -> N
             if index == 0 and params.prompt_logprobs is not None:
                 first = next(d for d in out.deltas if (d.request_id, d.index) == key)
                 assert first.prompt_logprobs is not None
-                assert [e.token_id for e in first.prompt_logprobs[1:] if e] == list(request.prompt_token_ids[1:])
+                scored = [e.token_id for e in first.prompt_logprobs[1:] if e]
+                assert scored == list(request.prompt_token_ids[1:])
             if out.finish[key] is FinishReason.LENGTH:
                 assert len(tokens) == params.max_tokens
             if params.logprobs is not None:
