@@ -1,4 +1,9 @@
-"""Engine exceptions -> gRPC status, for every RPC of this service (one place)."""
+"""Engine exceptions -> gRPC status, for every RPC of this service (one place).
+
+The same table as `engine_server.api.errors` (engine.v1), except that a RequestError's field name is left as
+the engine names it (vllm_engine.proto's SamplingParams uses the same flat names), not mapped to engine.v1's
+message paths.
+"""
 
 from __future__ import annotations
 
