@@ -57,6 +57,30 @@ fn consumer_target_dir(sdk_dir: &Path) -> PathBuf {
     }
 }
 
+/// The variables cargo sets for this test process that describe the SDK package. They must not reach the nested
+/// cargo: build scripts watch some of them (ring's reruns on `CARGO_PKG_NAME`, `CARGO_MANIFEST_DIR`, ...), so
+/// they would rebuild the shared dependencies for the consumer and again for the next `cargo test`.
+fn package_env_vars() -> Vec<std::ffi::OsString> {
+    const EXACT: [&str; 9] = [
+        "CARGO_MANIFEST_DIR",
+        "CARGO_MANIFEST_PATH",
+        "CARGO_MANIFEST_LINKS",
+        "CARGO_CRATE_NAME",
+        "CARGO_BIN_NAME",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_TARGET_TMPDIR",
+        "CARGO_RUSTC_CURRENT_DIR",
+        "OUT_DIR",
+    ];
+    std::env::vars_os()
+        .map(|(name, _)| name)
+        .filter(|name| {
+            let name = name.to_string_lossy();
+            name.starts_with("CARGO_PKG_") || EXACT.contains(&name.as_ref())
+        })
+        .collect()
+}
+
 pub async fn downstream_crate_builds_and_runs(ctx: Arc<Ctx>) {
     let sdk_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let dir = std::env::temp_dir().join(format!("engine-client-consumer-{}", std::process::id()));
@@ -71,13 +95,15 @@ pub async fn downstream_crate_builds_and_runs(ctx: Arc<Ctx>) {
     let begin = Instant::now();
     let dir_for_build = dir.clone();
     let build = tokio::task::spawn_blocking(move || {
-        Command::new(cargo)
+        let mut command = Command::new(cargo);
+        command
             .args(["build", "--color", "never"])
             .current_dir(&dir_for_build)
-            .env("CARGO_TARGET_DIR", &target_dir)
-            .env_remove("RUSTFLAGS")
-            .output()
-            .expect("run cargo build")
+            .env("CARGO_TARGET_DIR", &target_dir);
+        for name in package_env_vars() {
+            command.env_remove(name);
+        }
+        command.output().expect("run cargo build")
     })
     .await
     .unwrap();
