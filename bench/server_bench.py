@@ -122,7 +122,7 @@ def markdown(rows: list[tuple[int, Run, Run]], args: argparse.Namespace) -> str:
         f"{platform.python_version()}), prompt {args.prompt} tokens, {args.output} output tokens per stream, "
         f"greedy; all streams start at once; best of {args.rounds} rounds. gRPC: `engine-server` subprocess "
         "+ grpclib client (streaming Generate) on loopback; in-process: `AsyncEngine.generate` in the bench "
-        "process. The client shares the cores with the server.",
+        f"process. The client shares the cores with the server. Load average at the end: {_loadavg()}.",
         "",
         "| streams | in-process tok/s | gRPC tok/s | gRPC / in-process | TTFT p50 in-proc / gRPC (ms) "
         "| TTFT p99 in-proc / gRPC (ms) |",
@@ -137,6 +137,13 @@ def markdown(rows: list[tuple[int, Run, Run]], args: argparse.Namespace) -> str:
         )
     lines.append(MARK_END)
     return "\n".join(lines) + "\n"
+
+
+def _loadavg() -> str:
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
 
 
 def write_section(path: Path, section: str) -> None:

@@ -8,11 +8,9 @@ second signal, 2 for usage errors.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import re
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -281,66 +279,6 @@ def _configure_logging(level: str) -> None:
     )
 
 
-async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit code."""
-    from engine_server.api.server import EngineServer, default_engine_starter
-
-    server = EngineServer(
-        server_config,
-        engine_config=engine_config,
-        start_engine=default_engine_starter(engine_config, in_process=server_config.in_process_engine),
-    )
-    loop = asyncio.get_running_loop()
-    stop, force = asyncio.Event(), asyncio.Event()
-
-    def on_signal(signum: int) -> None:
-        if stop.is_set():
-            logger.warning("%s again: stopping now", signal.Signals(signum).name)
-            force.set()
-        else:
-            logger.info("%s: draining (send it again to stop at once)", signal.Signals(signum).name)
-            stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    starting = asyncio.create_task(server.start())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if not starting.done():  # a signal while loading: nothing to drain
-        starting.cancel()
-        await server.close()
-        return 0
-    if starting.exception() is not None:
-        stopping.cancel()
-        exc = starting.exception()
-        logger.debug("start failed", exc_info=exc)
-        print(f"engine-server: error: {exc}", file=sys.stderr)
-        await server.close()
-        return 1
-    await stopping
-    draining = asyncio.create_task(server.drain())
-    forced = asyncio.create_task(force.wait())
-    await asyncio.wait({draining, forced}, return_when=asyncio.FIRST_COMPLETED)
-    if draining.done():
-        forced.cancel()
-        draining.result()
-        return 0
-    draining.cancel()
-    await server.close()
-    return 1
-
-
-def run(server_config: ServerConfig, engine_config: EngineConfig) -> int:
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(serve(server_config, engine_config))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -351,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     logger.info("engine-server %s (pid %d)", _version(), os.getpid())
+    from engine_server.api.runner import run
+
     return run(server_config, engine_config)
 
 

@@ -47,18 +47,18 @@ async def test_greedy_generate_equals_transformers(
 ) -> None:
     tokenized = await stub.Tokenize(tokenize_pb2.TokenizeRequest(text=prompt), timeout=CALL_TIMEOUT_S)
     prompt_ids = list(tokenized.token_ids)
-    responses = await stub.Generate(greedy_request(prompt_ids, max_tokens=24), timeout=CALL_TIMEOUT_S)
-    expected = _reference(hf_model, prompt_ids, 24)
+    responses = await stub.Generate(greedy_request(prompt_ids, max_tokens=12), timeout=CALL_TIMEOUT_S)
+    expected = _reference(hf_model, prompt_ids, 12)
     assert completion_ids(responses) == expected
     # The text input path tokenizes the same way (BOS added by default).
-    by_text = await stub.Generate(greedy_request(text=prompt, max_tokens=24), timeout=CALL_TIMEOUT_S)
+    by_text = await stub.Generate(greedy_request(text=prompt, max_tokens=12), timeout=CALL_TIMEOUT_S)
     assert completion_ids(by_text) == expected
 
 
 async def test_streaming_and_unary_agree(stub: EngineServiceStub) -> None:
-    streamed = await stub.Generate(greedy_request(text=PROMPTS[1], max_tokens=32), timeout=CALL_TIMEOUT_S)
+    streamed = await stub.Generate(greedy_request(text=PROMPTS[1], max_tokens=12), timeout=CALL_TIMEOUT_S)
     whole = await stub.Generate(
-        greedy_request(text=PROMPTS[1], max_tokens=32, stream=False), timeout=CALL_TIMEOUT_S
+        greedy_request(text=PROMPTS[1], max_tokens=12, stream=False), timeout=CALL_TIMEOUT_S
     )
     assert len(whole) == 1
     assert completion_ids(streamed) == completion_ids(whole)
@@ -108,12 +108,12 @@ async def test_n_completions_each_finish_once(stub: EngineServiceStub) -> None:
 
 async def test_stop_string_cuts_the_text(stub: EngineServiceStub) -> None:
     free = await stub.Generate(
-        greedy_request(text=PROMPTS[0], max_tokens=40, ignore_eos=True), timeout=CALL_TIMEOUT_S
+        greedy_request(text=PROMPTS[0], max_tokens=24, ignore_eos=True), timeout=CALL_TIMEOUT_S
     )
     text = completion_text(free)
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert len(stop) == 3
-    request = greedy_request(text=PROMPTS[0], max_tokens=40, ignore_eos=True)
+    request = greedy_request(text=PROMPTS[0], max_tokens=24, ignore_eos=True)
     request.stopping.stop.append(stop)
     stopped = await stub.Generate(request, timeout=CALL_TIMEOUT_S)
     last = next(c for r in stopped for c in r.completions if c.finish_reason)

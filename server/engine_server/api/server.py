@@ -26,16 +26,16 @@ from grpclib.reflection.service import ServerReflection
 from engine_server.api.health import build_health
 from engine_server.api.metrics import ServerMetrics
 from engine_server.api.security import build_server
+from engine_server.api.security.metrics import register_guard_metrics
 from engine_server.api.servicer import EngineServicer
 from engine_server.api.vllm_compat import VllmCompatOptions, VllmEngineServicer
 from engine_server.engine.types import SamplingParams
 from engine_server.frontend.outputs import GenerateRequest
 
 if TYPE_CHECKING:
-    from grpclib.server import Server
-
     from engine_server.api.config import ServerConfig
     from engine_server.api.handle import EngineHandle
+    from engine_server.api.security import GuardedServer
     from engine_server.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -80,14 +80,15 @@ class EngineServer:
         # vllm.grpc.engine.VllmEngine on the same port: the smg gateway's worker protocol (docs/deploy.md).
         self.vllm_servicer = VllmEngineServicer(
             options=VllmCompatOptions(served_model_name=name, max_num_seqs=engine_config.max_num_seqs),
-            is_ready=self._is_serving,
+            is_ready=self._is_serving, metrics=self.metrics,
         )
         handlers: list[Any] = [self.servicer, self.health, self.vllm_servicer]
         if config.enable_reflection:
             handlers = ServerReflection.extend(handlers)
-        self._server: Server = build_server(handlers, config.security)
+        self._server: GuardedServer = build_server(handlers, config.security)
         if self.metrics is not None:
             self.metrics.install(self._server)
+            register_guard_metrics(self.metrics.registry, self._server.guard_stats)
             self.metrics.watch_load(lambda: self._engine.stats() if self._engine is not None else None)
         self.port = 0
         self.metrics_port: int | None = None

@@ -118,6 +118,8 @@ class EngineServicer(EngineServiceBase):
             raise to_grpc_error(exc, rpc="Generate", request_id=request_id) from None
         self._num_streams += 1
         self._idle.clear()
+        logger.debug("Generate %s: %d prompt tokens, n=%d, stream=%s",
+                     request_id, len(request.prompt_token_ids), request.params.n, msg.stream)
         try:
             # NOTE: aclosing: a cancelled call (client cancel, disconnect, deadline) closes the stream, and
             # closing an unfinished stream aborts the request in the engine.
@@ -128,6 +130,9 @@ class EngineServicer(EngineServiceBase):
                     await self._send_whole(stream, outputs, request)
         except Exception as exc:
             raise to_grpc_error(exc, rpc="Generate", request_id=request_id) from None
+        except asyncio.CancelledError:
+            logger.debug("Generate %s: cancelled (client, disconnect or deadline): aborted", request_id)
+            raise
         finally:
             self._num_streams -= 1
             if self._num_streams == 0:

@@ -1,0 +1,78 @@
+"""Runs an EngineServer until SIGTERM/SIGINT: a graceful drain on the first signal, a hard stop on the second.
+
+Exit codes: 0 after a graceful stop, 1 when the server could not start or was stopped by a second signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+from engine_server.api.server import EngineServer, default_engine_starter
+
+if TYPE_CHECKING:
+    from engine_server.api.config import ServerConfig
+    from engine_server.engine.config import EngineConfig
+
+logger = logging.getLogger("engine_server")
+
+
+async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    """Run until SIGTERM/SIGINT; returns the exit code."""
+    server = EngineServer(
+        server_config,
+        engine_config=engine_config,
+        start_engine=default_engine_starter(engine_config, in_process=server_config.in_process_engine),
+    )
+    loop = asyncio.get_running_loop()
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            logger.warning("%s again: stopping now", signal.Signals(signum).name)
+            force.set()
+        else:
+            logger.info("%s: draining (send it again to stop at once)", signal.Signals(signum).name)
+            stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    starting = asyncio.create_task(server.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # a signal while loading: nothing to drain
+        starting.cancel()
+        await server.close()
+        return 0
+    if starting.exception() is not None:
+        stopping.cancel()
+        exc = starting.exception()
+        logger.debug("start failed", exc_info=exc)
+        print(f"engine-server: error: {exc}", file=sys.stderr)
+        await server.close()
+        return 1
+    await stopping
+    draining = asyncio.create_task(server.drain())
+    forced = asyncio.create_task(force.wait())
+    await asyncio.wait({draining, forced}, return_when=asyncio.FIRST_COMPLETED)
+    if draining.done():
+        forced.cancel()
+        draining.result()
+        return 0
+    draining.cancel()
+    await server.close()
+    return 1
+
+
+def run(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(serve(server_config, engine_config))
