@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""Frontend throughput benchmark (not a test): the same engine behind (a) engine-server (gRPC, as shipped),
+(b) an HTTP/SSE reference server (bench/sse_server.py: uvicorn + starlette, JSON chunks) and (c) the engine
+called in process, side by side in one run, for two engines: the simulated core (fixed step time; measures
+the frontend alone) and the real engine on the tiny model.
+
+The server side (frontend process(es) + engine core process) is pinned to core 0, the load generator (its own
+process, bench/frontend_lib/loadgen.py) to core 1. Server CPU is read from /proc/PID/stat of the whole server
+process tree. The in-process baseline has no load generator: its client work is inside its CPU figure.
+
+Usage: bench/frontend.py [--quick] [--engines sim,tiny] [--servers grpc,sse,inproc] [--step-ms 5]
+                         [--concurrency 1,16,64,256] [--api-workers N] [--markdown BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+
+from frontend_lib import report  # noqa: E402
+from frontend_lib.procstat import descendants, tree_cpu_seconds  # noqa: E402
+
+SERVER_CORE, CLIENT_CORE = 0, 1
+READY_TIMEOUT_S = 300.0
+MARK_START, MARK_END = "<!-- frontend_bench:start -->", "<!-- frontend_bench:end -->"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH), env.get("PYTHONPATH", "")]))
+    env["OMP_NUM_THREADS"] = "1"  # the server side has one core: one torch thread
+    return env
+
+
+def _pinned(core: int) -> Any:
+    def preexec() -> None:
+        os.sched_setaffinity(0, {core})
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no orphans
+        except OSError:
+            pass
+
+    return preexec
+
+
+class Server:
+    """A server process tree pinned to SERVER_CORE; `port` once ready."""
+
+    def __init__(self, kind: str, engine: str, args: argparse.Namespace, workdir: Path) -> None:
+        self.kind = kind
+        py = sys.executable
+        sim = ["--simulated-engine", str(args.step_ms)] if engine == "sim" else []
+        common = ["--max-num-seqs", "256"]
+        ready = workdir / f"{kind}-{engine}.ready"
+        self.ready = ready
+        if kind == "grpc":
+            flags = ["--port", "0", "--ready-file", str(ready), "--log-level", "warning", *common]
+            if args.api_workers > 1:
+                flags += ["--api-workers", str(args.api_workers)]
+            if engine == "sim":
+                cmd = [py, "-m", "frontend_lib.serve_grpc", *sim, *flags]
+            else:
+                cmd = [str(Path(py).parent / "engine-server"), *flags]
+        elif kind == "sse":
+            cmd = [py, str(BENCH / "sse_server.py"), "--port", "0", "--ready-file", str(ready), *sim, *common]
+        else:
+            cmd = [py, "-m", "frontend_lib.inproc", *sim, *common, "--prompt", str(args.prompt),
+                   "--output", str(args.output)]
+        self.command = cmd
+        self.log = (workdir / f"{kind}-{engine}.log").open("wb")
+        self.process = subprocess.Popen(
+            cmd, env=_env(), cwd=ROOT, preexec_fn=_pinned(SERVER_CORE), stderr=self.log,
+            stdin=subprocess.PIPE if kind == "inproc" else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if kind == "inproc" else self.log,
+        )
+        self.port = self._wait_ready()
+        self.pids = descendants(self.process.pid)
+
+    def _wait_ready(self) -> int:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        if self.kind == "inproc":
+            assert self.process.stdout is not None
+            line = self.process.stdout.readline()  # bounded by the process: it prints or exits
+            if not line:
+                raise RuntimeError(f"in-process runner exited: see {self.log.name}")
+            return 0
+        while time.monotonic() < deadline:
+            if self.ready.exists():
+                return int(json.loads(self.ready.read_text())["port"])
+            if self.process.poll() is not None:
+                code = self.process.returncode
+                raise RuntimeError(f"{self.kind} server exited ({code}): see {self.log.name}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.kind} server not ready in {READY_TIMEOUT_S} s")
+
+    def run_load(self, concurrency: int, num_requests: int, args: argparse.Namespace) -> dict[str, Any]:
+        if self.kind == "inproc":
+            assert self.process.stdin is not None
+            assert self.process.stdout is not None
+            self.process.stdin.write(f"{concurrency} {num_requests}\n".encode())
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"in-process runner exited: see {self.log.name}")
+            result: dict[str, Any] = json.loads(line)
+            return result
+        cmd = [sys.executable, "-m", "frontend_lib.loadgen", self.kind, "--port", str(self.port),
+               "--concurrency", str(concurrency), "--num-requests", str(num_requests),
+               "--prompt", str(args.prompt), "--output", str(args.output),
+               "--tag", f"c{concurrency}-{time.time_ns()}"]
+        done = subprocess.run(cmd, env=_env(), cwd=ROOT, preexec_fn=_pinned(CLIENT_CORE), capture_output=True,
+                              timeout=1800, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"load generator failed: {done.stderr.decode()[-2000:]}")
+        result = json.loads(done.stdout)
+        return result
+
+    def stop(self) -> None:
+        if self.kind == "inproc" and self.process.stdin is not None:
+            self.process.stdin.close()
+        else:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.log.close()
+
+
+def num_requests(concurrency: int, engine: str, quick: bool) -> int:
+    if quick:
+        return max(concurrency, 4)
+    waves = 3 if engine == "sim" else 2
+    return max(waves * concurrency, 8)
+
+
+def run_all(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    rows = []
+    for engine in args.engines:
+        for kind in args.servers:
+            print(f"== {engine} / {kind}: starting", flush=True)
+            server = Server(kind, engine, args, workdir)
+            try:
+                server.run_load(2, 2, args)  # warm-up (first requests, lazy imports): not measured
+                for concurrency in args.concurrency:
+                    cpu0 = tree_cpu_seconds(server.pids)
+                    result = server.run_load(concurrency, num_requests(concurrency, engine, args.quick), args)
+                    busy_s = tree_cpu_seconds(server.pids) - cpu0
+                    row = {"engine": engine, "server": kind, "concurrency": concurrency, **result,
+                           "server_cpu_us_per_token": busy_s * 1e6 / max(1, result["num_tokens"]),
+                           "server_cpu_pct": 100.0 * busy_s / result["wall_s"],
+                           "messages_per_request": result["num_messages"] / max(1, result["num_requests"])}
+                    if kind == "inproc":
+                        row["client_cpu_pct"] = None  # the client is inside the measured process
+                    rows.append(row)
+                    print(f"   c={concurrency:<4} {row['tokens_per_s']:8.0f} tok/s  TTFT p99 "
+                          f"{row['ttft_p99_ms']:7.0f} ms  server {row['server_cpu_us_per_token']:6.1f} "
+                          f"us/tok ({row['server_cpu_pct']:.0f}%)  loadgen {result['client_cpu_pct']:.0f}%",
+                          flush=True)
+            finally:
+                server.stop()
+    return rows
+
+
+def render(rows: list[dict[str, Any]], args: argparse.Namespace, plots: dict[str, Path]) -> str:
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    command = "bench/frontend.py " + shlex.join(sys.argv[1:])
+    top = max(args.concurrency)
+    parts = [
+        f"Measured {now} on {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}. "
+        f"Command: `.venv/bin/python {command}`.",
+        f"Server side (frontend + engine core process) pinned to core {SERVER_CORE}; load generator in its "
+        f"own process pinned to core {CLIENT_CORE}. Every request: {args.prompt}-token prompt, {args.output} "
+        f"generated tokens (greedy, ignore_eos), closed loop (each stream sends its next request when the "
+        f"previous one ends). Simulated engine: {args.step_ms} ms per step, one token per running sequence. "
+        "Server CPU = utime+stime of the server's whole process tree (/proc/PID/stat) per generated token; "
+        "for the in-process row it includes the client's own work.",
+        f"### Targets at {top} streams", report.targets(rows, concurrency=top),
+    ]
+    for engine in args.engines:
+        parts.append(f"### {report.ENGINE_LABELS[engine].capitalize()}")
+        parts.append(report.table(rows, engine))
+        if engine in plots:
+            rel = os.path.relpath(plots[engine], Path(args.markdown).resolve().parent)
+            parts.append(f"![{engine}]({rel})")
+    return "\n\n".join(parts)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: fewer requests, concurrency 1 and 16")
+    p.add_argument("--engines", default="sim,tiny")
+    p.add_argument("--servers", default="grpc,sse,inproc")
+    p.add_argument("--concurrency", default=None, help="default 1,16,64,256 (quick: 1,16)")
+    p.add_argument("--step-ms", type=float, default=5.0)
+    p.add_argument("--prompt", type=int, default=100)
+    p.add_argument("--output", type=int, default=100)
+    p.add_argument("--api-workers", type=int, default=1, help="engine-server frontend processes")
+    p.add_argument("--markdown", default=None, help="write the section into this file (e.g. BENCHMARKS.md)")
+    p.add_argument("--plots", default=str(ROOT / "docs" / "bench"), help="folder for the PNG plots")
+    p.add_argument("--json", default=None, help="write the raw rows here")
+    args = p.parse_args()
+    args.engines = args.engines.split(",")
+    args.servers = args.servers.split(",")
+    default = "1,16" if args.quick else "1,16,64,256"
+    args.concurrency = [int(c) for c in (args.concurrency or default).split(",")]
+    if len(os.sched_getaffinity(0)) < 2:
+        sys.exit("needs 2 cores: one for the server, one for the load generator")
+    with tempfile.TemporaryDirectory(prefix="frontend-bench-") as tmp:
+        try:
+            rows = run_all(args, Path(tmp))
+        except Exception:
+            for log in sorted(Path(tmp).glob("*.log")):
+                print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
+            raise
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    plots: dict[str, Path] = {}
+    if args.markdown:
+        for engine in args.engines:
+            plots[engine] = Path(args.plots).resolve() / f"frontend-{engine}.png"
+            report.plot(rows, engine, plots[engine])
+        report.write_section(Path(args.markdown), render(rows, args, plots), start=MARK_START, end=MARK_END,
+                             heading="## Frontend throughput")
+    print(render(rows, args, plots))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The load generator: runs in its own process (pinned to its own core by the caller), prints a JSON summary.
+
+gRPC: grpclib + upb `_pb2` over one HTTP/2 connection (streams multiplexed, as gRPC clients do); the only
+per-message work is `len(token_ids)` on the parsed message. SSE: raw asyncio HTTP/1.1, one keep-alive
+connection per worker (as HTTP clients do), chunked transfer decoding and one `json.loads` per event.
+
+Usage: loadgen.py {grpc|sse} --port N --concurrency C --num-requests R [--prompt 100] [--output 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+from engine_proto.engine.v1 import generate_pb2
+from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
+from grpclib.client import Channel
+
+from frontend_lib.workload import RequestTrace, SendFn, closed_loop, cpu_seconds_self, prompt_ids, summarize
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+def grpc_sender(channel: Channel, *, prompt: int, output: int, tag: str) -> SendFn:
+    stub = EngineServiceStub(channel)
+
+    async def send(i: int, trace: RequestTrace) -> None:
+        request = generate_pb2.GenerateRequest(request_id=f"{tag}-{i}", stream=True)
+        request.token_ids.ids.extend(prompt_ids(i, prompt))
+        request.sampling.temperature = 0.0
+        request.stopping.max_tokens = output
+        request.stopping.ignore_eos = True
+        arrivals = trace.arrivals
+        clock = time.perf_counter
+        async with stub.Generate.open(timeout=REQUEST_TIMEOUT_S) as stream:
+            await stream.send_message(request, end=True)
+            async for response in stream:
+                arrivals.append((clock(), sum(len(c.token_ids) for c in response.completions)))
+
+    return send
+
+
+class _SseConnection:
+    """One keep-alive HTTP/1.1 connection; `post` streams one completion and records its events."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
+        self.reader, self.writer, self.host = reader, writer, host
+
+    async def post(self, body: bytes, trace: RequestTrace) -> None:
+        self.writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: " + self.host.encode() + b"\r\nContent-Type: "
+            b"application/json\r\nAccept: text/event-stream\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        reader = self.reader
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"SSE server answered {head[:60]!r}")
+        if b"chunked" not in head.lower():
+            raise RuntimeError("expected a chunked event stream")
+        arrivals, clock, loads = trace.arrivals, time.perf_counter, json.loads
+        buffer = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                return
+            buffer += data[:-2]
+            while True:
+                end = buffer.find(b"\n\n")
+                if end < 0:
+                    break
+                event, buffer = buffer[:end], buffer[end + 2:]
+                if event == b"data: [DONE]":
+                    continue
+                choices = loads(event[6:])["choices"]
+                arrivals.append((clock(), sum(len(c["token_ids"]) for c in choices)))
+
+
+def sse_sender(host: str, port: int, *, prompt: int, output: int) -> SendFn:
+    idle: list[_SseConnection] = []
+
+    async def send(i: int, trace: RequestTrace) -> None:
+        conn = idle.pop() if idle else _SseConnection(*await asyncio.open_connection(host, port), host)
+        body = json.dumps({"prompt": prompt_ids(i, prompt), "max_tokens": output, "temperature": 0.0,
+                           "ignore_eos": True, "stream": True}).encode()
+        await asyncio.wait_for(conn.post(body, trace), REQUEST_TIMEOUT_S)
+        idle.append(conn)
+
+    return send
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, object]:
+    channel = None
+    if args.kind == "grpc":
+        channel = Channel(args.host, args.port)
+        send = grpc_sender(channel, prompt=args.prompt, output=args.output, tag=args.tag)
+    else:
+        send = sse_sender(args.host, args.port, prompt=args.prompt, output=args.output)
+    try:
+        cpu0 = cpu_seconds_self()
+        traces, wall_s = await closed_loop(send, concurrency=args.concurrency, num_requests=args.num_requests)
+        cpu_s = cpu_seconds_self() - cpu0
+    finally:
+        if channel is not None:
+            channel.close()
+    return summarize(traces, wall_s=wall_s, client_cpu_s=cpu_s).to_json()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("kind", choices=("grpc", "sse"))
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--concurrency", type=int, required=True)
+    p.add_argument("--num-requests", type=int, required=True)
+    p.add_argument("--prompt", type=int, default=100)
+    p.add_argument("--output", type=int, default=100)
+    p.add_argument("--tag", default="bench")
+    args = p.parse_args()
+    import uvloop
+
+    result = uvloop.run(main_async(args))
+    json.dump(result, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

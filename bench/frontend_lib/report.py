@@ -1,0 +1,110 @@
+"""Markdown tables, the target check and the PNG plots of the frontend benchmark."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+SERVER_LABELS = {"grpc": "engine-server (gRPC)", "sse": "HTTP/SSE reference", "inproc": "in-process"}
+ENGINE_LABELS = {"sim": "simulated engine", "tiny": "tiny model"}
+COLUMNS = (
+    ("tok/s", "tokens_per_s", "{:.0f}"), ("req/s", "requests_per_s", "{:.2f}"),
+    ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"), ("p90", "ttft_p90_ms", "{:.0f}"),
+    ("p99", "ttft_p99_ms", "{:.0f}"), ("stddev", "ttft_std_ms", "{:.0f}"),
+    ("ITL mean ms", "itl_mean_ms", "{:.1f}"), ("ITL p99", "itl_p99_ms", "{:.1f}"),
+    ("msgs/req", "messages_per_request", "{:.0f}"),
+    ("server CPU us/token", "server_cpu_us_per_token", "{:.1f}"),
+    ("server CPU %", "server_cpu_pct", "{:.0f}"),
+    ("loadgen CPU %", "client_cpu_pct", "{:.0f}"),
+)
+Row = dict[str, Any]
+
+
+def table(rows: list[Row], engine: str) -> str:
+    lines = ["| server | streams | " + " | ".join(c[0] for c in COLUMNS) + " |",
+             "|---|---:|" + "---:|" * len(COLUMNS)]
+    for row in rows:
+        if row["engine"] != engine:
+            continue
+        cells = []
+        for _, key, fmt in COLUMNS:
+            value = row.get(key)
+            cells.append("-" if value is None or (isinstance(value, float) and math.isnan(value))
+                         else fmt.format(value))
+        lines.append(f"| {SERVER_LABELS.get(row['server'], row['server'])} | {row['concurrency']} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _find(rows: list[Row], engine: str, server: str, concurrency: int) -> Row | None:
+    for row in rows:
+        if (row["engine"], row["server"], row["concurrency"]) == (engine, server, concurrency):
+            return row
+    return None
+
+
+def targets(rows: list[Row], *, concurrency: int, grpc: str = "grpc") -> str:
+    """The issue's targets at `concurrency` streams: ratios of engine-server to the references."""
+    checks = (
+        ("tokens/s vs SSE", "sse", "tokens_per_s", ">=", 1.37),
+        ("p99 TTFT vs SSE", "sse", "ttft_p99_ms", "<=", 0.74),
+        ("TTFT stddev vs SSE", "sse", "ttft_std_ms", "<=", 0.66),
+        ("tokens/s vs in-process", "inproc", "tokens_per_s", ">=", 0.9),
+    )
+    lines = ["| engine | metric | engine-server | reference | ratio | target | met |",
+             "|---|---|---:|---:|---:|---|---|"]
+    for engine in ("sim", "tiny"):
+        ours = _find(rows, engine, grpc, concurrency)
+        if ours is None:
+            continue
+        for name, ref_server, key, op, bound in checks:
+            ref = _find(rows, engine, ref_server, concurrency)
+            if ref is None or not ref[key]:
+                continue
+            ratio = ours[key] / ref[key]
+            met = ratio >= bound if op == ">=" else ratio <= bound
+            lines.append(f"| {ENGINE_LABELS[engine]} | {name} | {ours[key]:.0f} | {ref[key]:.0f} | "
+                         f"{ratio:.2f} | {op} {bound} | {'yes' if met else 'NO'} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], engine: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = (("tokens_per_s", "generated tokens/s"), ("ttft_p99_ms", "TTFT p99 (ms)"),
+               ("ttft_std_ms", "TTFT stddev (ms)"), ("server_cpu_us_per_token", "server CPU us / token"))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6))
+    servers = sorted({r["server"] for r in rows if r["engine"] == engine})
+    for ax, (key, label) in zip(axes, metrics, strict=True):
+        for server in servers:
+            points = sorted((r["concurrency"], r[key]) for r in rows
+                            if r["engine"] == engine and r["server"] == server)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                    label=SERVER_LABELS.get(server, server))
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Frontend throughput, {ENGINE_LABELS.get(engine, engine)}", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_section(markdown: Path, section: str, *, start: str, end: str, heading: str) -> None:
+    """Replaces the text between the markers, or appends the section (with its heading)."""
+    text = markdown.read_text() if markdown.exists() else "# Benchmarks\n"
+    block = f"{start}\n{section.rstrip()}\n{end}"
+    if start in text and end in text:
+        before, rest = text.split(start, 1)
+        after = rest.split(end, 1)[1]
+        text = before + block + after
+    else:
+        text = text.rstrip() + f"\n\n{heading}\n\n{block}\n"
+    markdown.write_text(text)

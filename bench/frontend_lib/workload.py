@@ -1,0 +1,112 @@
+"""The benchmark's workload and its statistics, shared by the load generator and the in-process runner.
+
+A closed loop: `concurrency` workers each send a request, read its stream to the end, and send the next,
+until `num_requests` are done. Every request: a distinct 100-token prompt (no prefix-cache hits), greedy,
+ignore_eos, exactly `output` generated tokens. Each worker records when each message arrived and how many
+tokens it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import resource
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def prompt_ids(i: int, length: int) -> list[int]:
+    # Ordinary token ids of the tiny vocabulary (1024 ids, specials below 16), different for every request.
+    return [16 + (i * 7919 + k * 131) % 1000 for k in range(length)]
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    """One request: its send time, and (arrival time, tokens) per streamed message."""
+
+    sent: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+
+
+# One request: (request index, trace to fill) -> awaitable that completes when its stream ended.
+SendFn = Callable[[int, RequestTrace], Awaitable[None]]
+
+
+async def closed_loop(
+    send: SendFn, *, concurrency: int, num_requests: int
+) -> tuple[list[RequestTrace], float]:
+    """Runs the workload; returns the traces and the wall time (first send to last message)."""
+    traces: list[RequestTrace] = []
+    counter = iter(range(num_requests))
+
+    async def worker() -> None:
+        for i in counter:
+            trace = RequestTrace(time.perf_counter())
+            traces.append(trace)
+            await send(i, trace)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return traces, time.perf_counter() - started
+
+
+def cpu_seconds_self() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    num_requests: int
+    num_tokens: int
+    num_messages: int
+    wall_s: float
+    tokens_per_s: float
+    requests_per_s: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    ttft_std_ms: float
+    itl_mean_ms: float  # per request: (last - first message) / (tokens - 1), averaged
+    itl_p99_ms: float  # p99 over requests of that per-request inter-token latency
+    client_cpu_pct: float  # the load generator's CPU over the run (100 = one full core)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = q * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(traces: list[RequestTrace], *, wall_s: float, client_cpu_s: float) -> Summary:
+    ttfts, itls = [], []
+    num_tokens = num_messages = 0
+    for trace in traces:
+        arrivals = [a for a in trace.arrivals if a[1] > 0]
+        if not arrivals:
+            continue
+        ttfts.append((arrivals[0][0] - trace.sent) * 1e3)
+        tokens = sum(n for _, n in arrivals)
+        num_tokens += tokens
+        num_messages += len(arrivals)
+        if tokens > 1:
+            itls.append((arrivals[-1][0] - arrivals[0][0]) * 1e3 / (tokens - 1))
+    return Summary(
+        num_requests=len(traces), num_tokens=num_tokens, num_messages=num_messages, wall_s=wall_s,
+        tokens_per_s=num_tokens / wall_s, requests_per_s=len(traces) / wall_s,
+        ttft_p50_ms=percentile(ttfts, 0.5), ttft_p90_ms=percentile(ttfts, 0.9),
+        ttft_p99_ms=percentile(ttfts, 0.99),
+        ttft_std_ms=statistics.pstdev(ttfts) if len(ttfts) > 1 else 0.0,
+        itl_mean_ms=statistics.fmean(itls) if itls else math.nan, itl_p99_ms=percentile(itls, 0.99),
+        client_cpu_pct=100.0 * client_cpu_s / wall_s,
+    )
