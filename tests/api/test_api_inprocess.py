@@ -214,3 +214,17 @@ async def test_drain_aborts_streams_past_the_timeout() -> None:
         await server.close()
     assert finish_reasons([first, *rest]) == {0: generate_pb2.FINISH_REASON_ABORT}
     assert rest[-1].HasField("usage")
+
+
+async def test_health_watch_sees_an_engine_failure(harness: Harness) -> None:
+    async with harness.health.Watch.open(timeout=CALL_TIMEOUT_S) as call:
+        await call.send_message(HealthCheckRequest(service="engine.v1.EngineService"), end=True)
+        first = await call.recv_message()
+        assert first is not None
+        assert first.status == HealthCheckResponse.SERVING
+        harness.engine.state = EngineState.FAILED
+        # The server's monitor notices between calls (about once a second).
+        second = await asyncio.wait_for(call.recv_message(), 10.0)
+        assert second is not None
+        assert second.status == HealthCheckResponse.NOT_SERVING
+        await call.cancel()
