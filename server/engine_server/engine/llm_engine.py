@@ -68,6 +68,7 @@ class LLMEngine:
             self.runner = ModelRunner(loaded.model, kv=loaded.kv, num_blocks=loaded.info.num_kv_blocks,
                                       block_size=loaded.info.block_size, dtype=loaded.dtype,
                                       device=loaded.device)
+            self.runner.check_model()
         self.sampler = Sampler(vocab_size=loaded.info.vocab_size, eos_token_ids=loaded.info.eos_token_ids)
 
     # 1) admission

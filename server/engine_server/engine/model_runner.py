@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, kv: KVShape, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.model = model
+        self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, kv.num_kv_heads, kv.head_dim)
@@ -80,10 +82,33 @@ class ModelRunner:
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_t,
-                         paged_metadata=meta)
-        logits = out.logits[0].float()
-        return StepLogits(logits, sample_rows, prompt_rows), decodes + prefills
+        if self._has_logits_to_keep:
+            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_t,
+                                paged_metadata=meta).logits[0]
+        else:  # an older model class: project every position, then pick
+            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                                paged_metadata=meta).logits[0].index_select(0, keep_t)
+        return StepLogits(logits.float(), sample_rows, prompt_rows), decodes + prefills
+
+    def check_model(self) -> None:
+        """One throwaway forward pass, so an unsupported model fails at load with a clear error.
+
+        NOTE: it writes one token's K/V into block 0, which is free; a block is always written
+        before it is read, so nothing stale can leak into a sequence.
+        """
+        meta = PagedMetadata(kv_caches=self.kv_caches,
+                             slot_mapping=torch.arange(2, dtype=torch.long, device=self.device),
+                             prefills=[PrefillChunk(0, 2)])
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        try:
+            with torch.inference_mode():
+                self.model(input_ids=ids, position_ids=torch.arange(2, device=self.device)[None],
+                           use_cache=False, paged_metadata=meta)
+        except Exception as e:
+            name = type(self.model).__name__
+            raise ValueError(f"model {name} cannot run with the engine's paged attention (its layers must "
+                             f"call transformers' attention interface and pass forward kwargs through): "
+                             f"{e}") from e
 
     def _prefill_chunk(self, s: ScheduledSeq, q_start: int) -> PrefillChunk:
         q_end = q_start + s.num_new_tokens
