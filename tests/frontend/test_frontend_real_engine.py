@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -168,6 +169,9 @@ async def test_own_process_serves_then_fails_fast_when_killed(
     engine = await AsyncEngine.start(_config(model_dir), in_process=False)
     try:
         assert engine.core_pid is not None
+        core_environment = Path(f"/proc/{engine.core_pid}/environ").read_bytes().split(b"\0")
+        if "OMP_WAIT_POLICY" not in os.environ:  # set for the core only, not left in the server's environment
+            assert b"OMP_WAIT_POLICY=PASSIVE" in core_environment
         results = await _concurrent_greedy(engine, "proc")
         for case, outputs in results.items():
             assert _ids(outputs) == reference[case], case
