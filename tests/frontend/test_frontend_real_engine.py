@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import random
 from collections.abc import AsyncIterator
@@ -37,6 +38,13 @@ async def engine(model_dir: Path) -> AsyncIterator[AsyncEngine]:
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> dict[tuple[str, int], list[int]]:
     """Greedy continuations from transformers' own `generate`, one prompt at a time."""
+    # NOTE: on a worker thread: torch ops from the main thread spin in OpenMP (see core_process.py) and
+    # run many times slower on a busy machine.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_reference, model_dir).result()
+
+
+def _reference(model_dir: Path) -> dict[tuple[str, int], list[int]]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
