@@ -28,13 +28,16 @@ def _build(name: str, out_dir: Path) -> None:
         "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(**gpt2)),
         # multi-query attention (one KV head), explicit head_dim
         "gemma": (tf.GemmaForCausalLM, tf.GemmaConfig(num_key_value_heads=1, head_dim=16, **llama_like)),
+        # a sliding window much shorter than the prompts (prefill chunks and decodes both windowed)
+        "mistral-window": (tf.MistralForCausalLM, tf.MistralConfig(num_key_value_heads=2, sliding_window=8,
+                                                                   **llama_like)),
     }
     cls, config = models[name]
     torch.manual_seed(0)
     cls(config).save_pretrained(str(out_dir))
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gpt2", "gemma"])
+@pytest.mark.parametrize("name", ["qwen2", "gpt2", "gemma", "mistral-window"])
 def test_greedy_matches_generate(name: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

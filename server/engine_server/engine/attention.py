@@ -8,7 +8,8 @@ Each layer first writes this step's K/V into the paged cache (slot mapping), the
 - prefill chunks one sequence at a time, with a causal mask offset by the cached context.
 Unlike a block-diagonal mask over the whole batch, the cost stays linear in the batch size.
 
-Not supported (exact only within their limits): sliding windows and logit soft-capping.
+Sliding windows (the `sliding_window` kwarg of Mistral, Qwen2, Gemma2/3 layers) are applied as
+an extra mask. Not supported: attention logit soft-capping (Gemma2); such models run, inexactly.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ ATTN_IMPLEMENTATION = "engine_paged"
 class PrefillChunk:
     q_start: int  # offset of the chunk in the flattened batch
     q_end: int
-    # None when the chunk starts the sequence (attend to the step's own K/V, causal);
-    # else the sequence's cache blocks, its context length and a [q_len, context_len] bool mask.
+    # None when the chunk starts the sequence (attend to the step's own K/V, causal); else the
+    # sequence's cache blocks and a [q_len, context_len] bool mask.
     context_blocks: torch.Tensor | None = None
     context_len: int = 0
     mask: torch.Tensor | None = None
@@ -42,6 +43,7 @@ class DecodeGroup:
     q_end: int
     blocks: torch.Tensor  # [num_seqs * max_blocks]: block tables, flattened, padded with block 0
     mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size]: 0, or -inf past the context
+    context_lens: torch.Tensor  # [num_seqs]
 
 
 @dataclass(slots=True)
@@ -71,6 +73,8 @@ def paged_attention_forward(
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
     num_heads, num_tokens = query.shape[1], query.shape[2]
+    window = kwargs.get("sliding_window")
+    window = int(window) if isinstance(window, int) and window > 0 else None
     gqa = num_heads != num_kv_heads
     out = query.new_empty(num_tokens, num_heads, head_dim)
     k_blocks = k_cache.view(num_blocks, -1)
@@ -85,11 +89,20 @@ def paged_attention_forward(
         # group rides in the query-length axis and no K/V gets repeated.
         q = query[0, :, group.q_start:group.q_end].transpose(0, 1)
         q = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
+        mask = group.mask
+        if window is not None:  # keys at or before position (context_len - 1 - window) drop out
+            key_pos = torch.arange(mask.shape[-1], device=mask.device)
+            old = key_pos[None, :] <= (group.context_lens - 1 - window)[:, None]
+            mask = mask.masked_fill(old[:, None, None, :], float("-inf"))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
         out[group.q_start:group.q_end] = o.reshape(n, num_heads, head_dim)
     # 3) prefill chunks, one sequence at a time
     for chunk in meta.prefills:
         q = query[:, :, chunk.q_start:chunk.q_end]
+        if window is not None and window < chunk.context_len:
+            _prefill_with_window(out, q, k_blocks, v_blocks, chunk, key, value, window=window,
+                                 scaling=scaling, gqa=gqa)
+            continue
         if chunk.context_blocks is None:
             k = key[:, :, chunk.q_start:chunk.q_end]
             v = value[:, :, chunk.q_start:chunk.q_end]
@@ -102,6 +115,27 @@ def paged_attention_forward(
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scaling, enable_gqa=gqa)
         out[chunk.q_start:chunk.q_end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _prefill_with_window(out: torch.Tensor, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                         chunk: PrefillChunk, key: torch.Tensor, value: torch.Tensor, *, window: int,
+                         scaling: float | None, gqa: bool) -> None:
+    """A prefill chunk whose context is longer than the sliding window: causal AND windowed mask."""
+    ctx = chunk.context_len
+    num_new = chunk.q_end - chunk.q_start
+    num_kv_heads, head_dim = key.shape[1], key.shape[3]
+    if chunk.context_blocks is None:
+        k = key[:, :, chunk.q_start:chunk.q_end]
+        v = value[:, :, chunk.q_start:chunk.q_end]
+    else:
+        k = k_blocks.index_select(0, chunk.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
+        v = v_blocks.index_select(0, chunk.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    query_pos = torch.arange(ctx - num_new, ctx, device=q.device)[:, None]
+    key_pos = torch.arange(ctx, device=q.device)[None, :]
+    mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    out[chunk.q_start:chunk.q_end] = o[0].transpose(0, 1)
 
 
 def register_paged_attention() -> str:

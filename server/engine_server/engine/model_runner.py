@@ -98,7 +98,7 @@ class ModelRunner:
         """
         meta = PagedMetadata(kv_caches=self.kv_caches,
                              slot_mapping=torch.arange(2, dtype=torch.long, device=self.device),
-                             prefills=[PrefillChunk(0, 2)])
+                             prefills=[PrefillChunk(0, 2, context_len=2)])
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         try:
             with torch.inference_mode():
@@ -113,7 +113,7 @@ class ModelRunner:
     def _prefill_chunk(self, s: ScheduledSeq, q_start: int) -> PrefillChunk:
         q_end = q_start + s.num_new_tokens
         if s.start == 0:
-            return PrefillChunk(q_start, q_end)
+            return PrefillChunk(q_start, q_end, context_len=s.num_new_tokens)
         context_len = s.start + s.num_new_tokens
         num_blocks = -(-context_len // self.block_size)
         blocks = torch.tensor(s.seq.block_table[:num_blocks], dtype=torch.long, device=self.device)
@@ -148,4 +148,4 @@ class ModelRunner:
         mask = torch.zeros(past.shape, dtype=self.kv_caches[0][0].dtype, device=self.device)
         return DecodeGroup(q_start=first, q_end=end,
                            blocks=torch.tensor(tables, dtype=torch.long, device=self.device).view(-1),
-                           mask=mask.masked_fill_(past, float("-inf"))[:, None, None, :])
+                           mask=mask.masked_fill_(past, float("-inf"))[:, None, None, :], context_lens=lens_t)
