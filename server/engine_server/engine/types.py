@@ -122,7 +122,8 @@ class TokenLogprob:
     """The log-probability of one token, with the top alternatives at that position.
 
     NOTE: log_softmax of the RAW model logits, before temperature, penalties, logit_bias and
-    top-k/top-p/min-p (vLLM's default "raw_logprobs"): a greedy token always has rank 1.
+    top-k/top-p/min-p (vLLM's default "raw_logprobs"), so with a bias or penalty the chosen
+    token need not have rank 1.
     """
 
     token_id: int
