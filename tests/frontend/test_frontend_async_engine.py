@@ -131,6 +131,19 @@ async def test_no_detokenize_gives_ids_only(fake_engine: AsyncEngine, tokenizer:
     assert _ids(outputs) == list(base.prompt_token_ids)
 
 
+async def test_stop_string_without_detokenize_still_cuts_the_ids(
+    fake_engine: AsyncEngine, tokenizer: Tokenizer
+) -> None:
+    base = _request(tokenizer, "ids-stop", "abc STOP def", max_tokens=100)
+    request = GenerateRequest(
+        "ids-stop", base.prompt_token_ids, base.params, stop=("STOP",), detokenize=False
+    )
+    outputs = await _collect(fake_engine, request)
+    assert _text(outputs) == ""
+    assert tokenizer.decode(_ids(outputs)) == "abc STOP"
+    assert outputs[-1].chunks[-1].stop_reason == "STOP"
+
+
 async def test_cancelled_consumers_abort_in_the_engine(
     fake_engine: AsyncEngine, tokenizer: Tokenizer
 ) -> None:

@@ -71,3 +71,22 @@ def test_random_splits_match_the_reference(include: bool) -> None:
         pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
         matcher = StopStringMatcher(stops, include_in_output=include)
         assert _run(matcher, pieces) == _reference(text, stops, include), (text, stops, pieces)
+
+
+def test_request_bounds_match_the_contract() -> None:
+    from engine_server.engine.types import RequestError
+    from engine_server.frontend.outputs import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, GenerateRequest
+
+    GenerateRequest("ok", (1,), stop=("x" * MAX_STOP_STRING_CHARS,) * MAX_STOP_STRINGS)
+    for stop in (("",), ("x" * (MAX_STOP_STRING_CHARS + 1),), ("x",) * (MAX_STOP_STRINGS + 1)):
+        with pytest.raises(RequestError) as excinfo:
+            GenerateRequest("bad", (1,), stop=stop)
+        assert excinfo.value.field_name == "stop"
+
+
+def test_worst_case_holdback_stays_linear() -> None:
+    # Text that is a prefix of every stop string at every position: the held-back part stays bounded.
+    stops = tuple("a" * 255 + chr(ord("b") + i) for i in range(16))
+    matcher = StopStringMatcher(stops, include_in_output=False)
+    released = "".join(matcher.feed("a")[0] for _ in range(2000))
+    assert released == "a" * (2000 - 255)

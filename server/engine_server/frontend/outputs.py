@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from engine_server.engine.types import FinishReason, RequestError, SamplingParams, TokenLogprob
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
 
 class EngineState(enum.Enum):
     STARTING = "starting"  # the core is loading the model
@@ -31,9 +34,12 @@ class GenerateRequest:
     def __post_init__(self) -> None:
         if not self.request_id:
             raise RequestError("request_id", "must not be empty")
+        # NOTE: the bounds keep per-token matching cheap; they are the engine.v1 contract's.
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise RequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for stop in self.stop:
-            if not stop:
-                raise RequestError("stop", "stop strings must not be empty")
+            if not 1 <= len(stop) <= MAX_STOP_STRING_CHARS:
+                raise RequestError("stop", f"each must have 1 to {MAX_STOP_STRING_CHARS} characters")
 
 
 @dataclass(slots=True)

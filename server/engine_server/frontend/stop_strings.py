@@ -42,13 +42,21 @@ class StopStringMatcher:
             self._held = ""
             cut = best_end if self._include else best_end - len(best)
             return buffer[:cut], best
-        # 2) Hold back the longest suffix that is a proper prefix of some stop string.
+        # 2) Hold back the longest suffix that is a proper prefix of some stop string. Candidates start
+        # where the stop string's first character occurs; the earliest that fits is the longest.
         keep = 0
+        size = len(buffer)
         for stop in self._stops:
-            for length in range(min(len(stop) - 1, len(buffer)), keep, -1):
-                if buffer.endswith(stop[:length]):
-                    keep = length
+            first = stop[0]
+            start = max(size - len(stop) + 1, 0)
+            while start < size - keep:
+                start = buffer.find(first, start, size - keep)
+                if start < 0:
                     break
+                if stop.startswith(buffer[start:]):
+                    keep = size - start
+                    break
+                start += 1
         self._held = buffer[len(buffer) - keep:] if keep else ""
         return buffer[:len(buffer) - keep], None
 
