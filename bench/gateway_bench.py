@@ -78,14 +78,16 @@ class Row:
         )
 
 
-def start_workers(count: int, *, max_num_seqs: int) -> list[RunningServer]:
+def start_workers(count: int, *, max_num_seqs: int, torch_threads: int) -> list[RunningServer]:
     # NOTE: one after the other from the main thread: serverproc sets PR_SET_PDEATHSIG, which fires when the
     # thread that started a server exits (a thread pool would kill the workers as soon as it shut down).
     args = ("--served-model-name", MODEL, "--max-num-seqs", str(max_num_seqs), "--drain-timeout", "1")
     workers: list[RunningServer] = []
     try:
         for _ in range(count):
-            workers.append(start_server(*args))
+            # One torch thread per worker: on a shared 2-core machine a 2-thread op barrier waits for a free
+            # core on every op (BENCHMARKS.md, Engine section).
+            workers.append(start_server(*args, env={"OMP_NUM_THREADS": str(torch_threads)}))
     except BaseException:
         for worker in workers:
             worker.stop(signal.SIGKILL)
@@ -115,14 +117,17 @@ def run_genai_bench(base_url: str, *, concurrency: list[int], max_requests: int,
     return sorted(rows, key=lambda row: row.concurrency)
 
 
-def markdown(rows: list[Row], *, num_workers: int, max_requests: int, max_minutes: int, load: str) -> str:
+def markdown(
+    rows: list[Row], *, num_workers: int, max_requests: int, max_minutes: int, load: str, torch_threads: int
+) -> str:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         MARK_START,
         f"## Gateway: genai-bench -> smg -> {num_workers} workers ({date})",
         "",
         f"`bench/gateway_bench.py`: genai-bench 0.0.5 (OpenAI chat completions, streaming) -> smg 1.13.0 "
-        f"(round_robin) -> {num_workers} x `engine-server` (tiny random-weight Llama, CPU) over "
+        f"(round_robin) -> {num_workers} x `engine-server` (tiny random-weight Llama, CPU, "
+        f"{torch_threads} torch thread each) over "
         f"vllm.grpc.engine.VllmEngine. Scenario {SCENARIO} (100 prompt and 100 output tokens, ignore_eos), "
         f"each concurrency for at most {max_requests} requests or {max_minutes} min. "
         f"{platform.machine()}, {os.cpu_count()} cores shared by the load generator, the gateway and the "
@@ -162,11 +167,12 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     parser.add_argument("--max-requests", type=int, default=40)
     parser.add_argument("--max-minutes", type=int, default=1)
+    parser.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of each worker")
     parser.add_argument("--markdown", type=Path, default=None, help="BENCHMARKS.md to update")
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    workers = start_workers(args.workers, max_num_seqs=max(concurrency))
+    workers = start_workers(args.workers, max_num_seqs=max(concurrency), torch_threads=args.torch_threads)
     try:
         with start_gateway([w.target for w in workers]) as gateway:
             gateway.wait_for_workers(len(workers))
@@ -179,7 +185,7 @@ def main() -> None:
             if worker.process.poll() is None:
                 worker.stop(signal.SIGTERM)
     section = markdown(rows, num_workers=args.workers, max_requests=args.max_requests,
-                       max_minutes=args.max_minutes, load=load)
+                       max_minutes=args.max_minutes, load=load, torch_threads=args.torch_threads)
     print(section)
     if args.markdown is not None:
         write_section(args.markdown, section)

@@ -43,7 +43,8 @@ def workers() -> Iterator[list[RunningServer]]:
     servers: list[RunningServer] = []
     try:
         for extra in ((), ("--in-process-engine",)):
-            servers.append(start_server(*args, *extra))
+            # One torch thread: two workers, smg and the test share two cores (see BENCHMARKS.md, Engine).
+            servers.append(start_server(*args, *extra, env={"OMP_NUM_THREADS": "1"}))
         yield servers
     finally:
         for server in servers:
