@@ -11,7 +11,7 @@ from engine_server.engine.llm_engine import LLMEngine
 from engine_server.models.tiny import default_model_dir
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _one_torch_thread() -> Iterator[None]:
     # Tiny models gain nothing from intra-op threads, and on a loaded machine every op's thread
     # barrier waits for a free CPU: one thread is several times faster here.
