@@ -182,7 +182,7 @@ def test_client_disconnect_mid_stream_leaves_nothing_running(
 ) -> None:
     """smg turns the disconnect into an Abort RPC (the Generate stream stays open): the worker must stop."""
     wait_idle(workers)
-    num_tokens = 1500  # far more than the test waits for: only an abort ends it in time
+    num_tokens = 2000  # near max_model_len (2048): only an abort ends it within the test's deadline
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": num_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True}
     url = f"{gateway.url}/v1/chat/completions"
