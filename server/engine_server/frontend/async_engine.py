@@ -123,6 +123,9 @@ class AsyncEngine:
         Raises at once (nothing is queued): RequestError (invalid, or a duplicate in-flight request_id),
         EngineOverloaded (too many pending requests), EngineDead (draining, stopped or failed).
         Cancelling or closing the stream aborts the request in the engine.
+
+        NOTE: a request_id stays reserved until the core has confirmed the request's end (an aborted
+        request is "in flight" for about one more step), so its deltas can never reach a newer namesake.
         """
         self._check_serving()
         request_id = request.request_id
