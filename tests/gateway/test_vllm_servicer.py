@@ -269,3 +269,24 @@ async def test_before_the_engine_is_attached() -> None:
         channel.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_gateway_calls_feed_the_server_metrics(engine: FakeEngine) -> None:
+    from engine_server.api.metrics import ServerMetrics
+    from engine_server.api.vllm_compat import VllmEngineServicer
+    from grpclib.client import Channel
+    from grpclib.server import Server
+
+    metrics = ServerMetrics()
+    server = Server([VllmEngineServicer(engine, metrics=metrics)])
+    await server.start("127.0.0.1", 0)
+    channel = Channel("127.0.0.1", server._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    try:
+        await VllmClient(channel).generate_all(make_request(stream=True, max_tokens=5, n=2))
+    finally:
+        channel.close()
+        server.close()
+        await server.wait_closed()
+    assert metrics.registry.get_sample_value("engine_generated_tokens_total") == 10
+    assert metrics.registry.get_sample_value("engine_prompt_tokens_total") == 3
+    assert metrics.registry.get_sample_value("engine_time_to_first_token_seconds_count") == 1
