@@ -228,3 +228,34 @@ async def test_health_watch_sees_an_engine_failure(harness: Harness) -> None:
         assert second is not None
         assert second.status == HealthCheckResponse.NOT_SERVING
         await call.cancel()
+
+
+async def _list_services(channel: Channel) -> list[str]:
+    from grpclib.reflection.v1.reflection_grpc import ServerReflectionStub
+    from grpclib.reflection.v1.reflection_pb2 import ServerReflectionRequest
+
+    async with ServerReflectionStub(channel).ServerReflectionInfo.open(timeout=CALL_TIMEOUT_S) as call:
+        await call.send_message(ServerReflectionRequest(list_services=""), end=True)
+        response = await call.recv_message()
+        assert response is not None
+        return [service.name for service in response.list_services_response.service]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_reflection_can_be_turned_off(enabled: bool) -> None:
+    engine = FakeEngine()
+    server = await _started(replace(CONFIG, enable_reflection=enabled), engine)
+    await server.start()
+    channel = Channel("127.0.0.1", server.port)
+    try:
+        if enabled:
+            assert "engine.v1.EngineService" in await _list_services(channel)
+        else:
+            with pytest.raises(GRPCError) as caught:
+                await _list_services(channel)
+            # grpclib answers an unknown method trailers-only with UNIMPLEMENTED and no content-type, which
+            # grpclib's own client reports as UNKNOWN "Missing content-type header" (grpcurl: UNIMPLEMENTED).
+            assert caught.value.status in (Status.UNIMPLEMENTED, Status.UNKNOWN)
+    finally:
+        channel.close()
+        await server.close()
