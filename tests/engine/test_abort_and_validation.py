@@ -16,7 +16,7 @@ from engine_server.engine.types import (
     RequestError,
     SamplingParams,
 )
-from helpers import Collected, reference_greedy
+from engine_testutil import Collected, reference_greedy
 
 
 def _prompt(seed: int, length: int) -> tuple[int, ...]:

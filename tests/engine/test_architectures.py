@@ -11,7 +11,7 @@ import torch
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import EngineRequest, SamplingParams
-from helpers import run
+from engine_testutil import run
 
 
 def _build(name: str, out_dir: Path) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import EngineRequest, FinishReason, SamplingParams
-from helpers import reference_greedy, run
+from engine_testutil import reference_greedy, run
 
 
 def _workload(seed: int, num_requests: int) -> tuple[list[list[int]], list[int]]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import EngineRequest, FinishReason, SamplingParams
-from helpers import reference_greedy, run
+from engine_testutil import reference_greedy, run
 
 EOS = 1
 # Logprobs are compared with log_softmax of the reference model's logits (float32, same weights,

@@ -8,7 +8,7 @@ from pathlib import Path
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import EngineRequest, FinishReason, SamplingParams
-from helpers import Collected
+from engine_testutil import Collected
 
 
 def _random_params(rng: random.Random) -> SamplingParams:
