@@ -3,6 +3,7 @@
 Each completion echoes its prompt token by token (cycling), so a test controls the generated text by
 choosing the prompt. Blocks are accounted like a paged cache (ceil(tokens / block_size) per sequence).
 Failure injection: a request whose id starts with "crash" makes the next step() raise. A request whose id
+starts with "boom" makes add_request raise a RuntimeError (a core bug hit by one request). One whose id
 starts with "fail" ends with FinishReason.ERROR at its first step (the core lives on). One whose id
 starts with "hold" never finishes on its own: after max_tokens it stays running, silent, until aborted.
 """
@@ -72,6 +73,8 @@ class FakeCore:
         if len(self._waiting) >= self._config.max_waiting:
             raise EngineOverloaded("waiting queue full")
         fake_validate(request, self.model_info)
+        if request.request_id.startswith("boom"):
+            raise RuntimeError("injected add_request bug")
         if request.request_id.startswith("crash"):
             self._crash = True
         self._remaining[request.request_id] = request.params.n

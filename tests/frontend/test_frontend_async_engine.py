@@ -217,6 +217,16 @@ async def test_core_rejection_reaches_that_request_only(model_dir: Path, tokeniz
         await engine.shutdown(timeout=5.0)
 
 
+async def test_a_core_bug_in_admission_fails_that_request_only(
+    fake_engine: AsyncEngine, tokenizer: Tokenizer
+) -> None:
+    good = fake_engine.generate(_request(tokenizer, "fine", "abc def"))
+    with pytest.raises(RuntimeError, match="injected add_request bug"):
+        await anext(fake_engine.generate(_request(tokenizer, "boom-1", "abc")))
+    assert _text([output async for output in good]) == "abc def"
+    assert fake_engine.state is EngineState.SERVING
+
+
 async def test_overload_is_refused(model_dir: Path, tokenizer: Tokenizer) -> None:
     engine = await AsyncEngine.start(
         fake_config(model_dir), in_process=True, engine_factory=fake_factory(tokenizer.vocab_size),
