@@ -17,11 +17,24 @@ import time
 
 from engine_proto.engine.v1 import generate_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
-from grpclib.client import Channel
+from engine_server.api.write_batch import BatchingTransport
+from grpclib.client import Channel, Handler
+from grpclib.protocol import H2Protocol
 
 from frontend_lib.workload import RequestTrace, SendFn, closed_loop, cpu_seconds_self, prompt_ids, summarize
 
 REQUEST_TIMEOUT_S = 600.0
+
+
+class _BatchingProtocol(H2Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # The client's WINDOW_UPDATEs for all streams go out in one write per loop tick (as the server's do).
+        super().connection_made(BatchingTransport(transport, asyncio.get_running_loop()))  # type: ignore[arg-type]
+
+
+class _BatchingChannel(Channel):
+    def _protocol_factory(self) -> H2Protocol:
+        return _BatchingProtocol(Handler(), self._config, self._h2_config)
 
 
 def grpc_sender(channel: Channel, *, prompt: int, output: int, tag: str) -> SendFn:
@@ -94,9 +107,9 @@ def sse_sender(host: str, port: int, *, prompt: int, output: int) -> SendFn:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
-    channel = None
+    channel: Channel | None = None
     if args.kind == "grpc":
-        channel = Channel(args.host, args.port)
+        channel = _BatchingChannel(args.host, args.port)
         send = grpc_sender(channel, prompt=args.prompt, output=args.output, tag=args.tag)
     else:
         send = sse_sender(args.host, args.port, prompt=args.prompt, output=args.output)

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from functools import partial
+from typing import cast
 
 from grpclib.config import Configuration
 from grpclib.protocol import AbstractHandler, EventsProcessor, H2Protocol, Stream
@@ -47,6 +48,7 @@ from h2.settings import SettingCodes
 
 from engine_server.api.security.budget import GuardStats, TokenBucket
 from engine_server.api.security.config import H2Policy
+from engine_server.api.write_batch import BatchingTransport
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,7 @@ class GuardedH2Protocol(H2Protocol):
         self._policy = policy
         self._stats = stats
         self._is_closed = False
+        self._batching: BatchingTransport | None = None
         self._num_sends = 0  # HEADERS + DATA frames sent; a send resets the PING strikes
         self._sends_at_last_ping = 0
         self._last_ping_at: float | None = None
@@ -116,6 +119,10 @@ class GuardedH2Protocol(H2Protocol):
         return h2_conn
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if hasattr(transport, "write"):  # NOTE: uvloop's transports are not asyncio.Transport subclasses
+            # One send() per loop tick for all of the connection's streams, not one per frame.
+            self._batching = BatchingTransport(cast(asyncio.Transport, transport), asyncio.get_running_loop())
+            transport = self._batching
         super().connection_made(transport)
         self.processor = GuardedEventsProcessor(self.handler, self.connection)
         self._apply_stream_limit()
@@ -173,6 +180,14 @@ class GuardedH2Protocol(H2Protocol):
         connection.data_send_process = data_sent  # type: ignore[method-assign]
 
     def data_received(self, data: bytes) -> None:
+        try:
+            self._receive(data)
+        finally:
+            # NOTE: what the read itself caused (SETTINGS ACK, WINDOW_UPDATE, RST_STREAM) goes out now.
+            if self._batching is not None:
+                self._batching.flush()
+
+    def _receive(self, data: bytes) -> None:
         if self._is_closed:
             return
         try:
