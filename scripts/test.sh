@@ -7,6 +7,8 @@ cd "$root"
 export PATH="$root/.venv/bin:$root/.tools/go/bin:$root/.tools/cargo/bin:$PATH"
 export CARGO_TARGET_DIR="$root/.tools/cargo-target"
 export ENGINE_CACHE_DIR="${ENGINE_CACHE_DIR:-$root/.tools/model-cache}"
+# torch's OpenMP threads spin while idle; on 2 shared cores that starves every other process of the suite.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 
 step() { printf '\n==> %s\n' "$*"; }
 
