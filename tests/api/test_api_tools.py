@@ -88,7 +88,7 @@ async def _health(channel: Channel) -> int:
 @needs_go_tools
 async def test_sigterm_drains_then_exits_zero() -> None:
     """In-flight streams finish within the drain timeout, longer ones are aborted, health is NOT_SERVING."""
-    running = await asyncio.to_thread(start_server, "--in-process-engine", "--drain-timeout", "20")
+    running = await asyncio.to_thread(start_server, "--in-process-engine", "--drain-timeout", "10")
     with running:
         channel = Channel("127.0.0.1", running.port)
         stub = EngineServiceStub(channel)
