@@ -1,0 +1,98 @@
+"""The protobuf -> engine conversion on its own: the contract's defaults for unset fields, and field names."""
+
+from __future__ import annotations
+
+import pytest
+from engine_proto.engine.v1 import generate_pb2, tokenize_pb2
+from engine_server.api import convert
+from engine_server.api.errors import to_grpc_error
+from engine_server.engine.types import EngineDead, EngineOverloaded, RequestError
+from fakes import BOS, FakeEngine, FakeTokenizer
+
+INFO = FakeEngine().model_info
+TOKENIZER = FakeTokenizer()
+
+
+def _convert(request: generate_pb2.GenerateRequest) -> convert.GenerateRequest:
+    return convert.to_generate_request(request, tokenizer=TOKENIZER, model_info=INFO)
+
+
+def test_unset_fields_take_the_documented_defaults() -> None:
+    converted = _convert(generate_pb2.GenerateRequest(text="ab"))
+    params = converted.params
+    assert params.temperature == 1.0  # unset: 1.0; an explicit 0 means greedy
+    assert (params.top_p, params.top_k, params.min_p, params.n) == (1.0, 0, 0.0, 1)
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert (params.seed, params.max_tokens, params.logprobs, params.prompt_logprobs) == (
+        None,
+        None,
+        None,
+        None,
+    )
+    assert converted.prompt_token_ids[0] == BOS  # add_special_tokens defaults to true
+    assert (converted.detokenize, converted.skip_special_tokens, converted.stop) == (True, True, ())
+    assert len(converted.request_id) == 32  # assigned
+
+
+def test_explicit_zeros_are_kept() -> None:
+    request = generate_pb2.GenerateRequest(text="ab", add_special_tokens=False, request_id="r1")
+    request.sampling.temperature = 0.0
+    request.sampling.seed = 0
+    request.output.logprobs = 0
+    request.output.return_text = False
+    converted = _convert(request)
+    assert converted.params.is_greedy
+    assert (converted.params.seed, converted.params.logprobs) == (0, 0)
+    assert converted.detokenize is False
+    assert converted.prompt_token_ids[0] != BOS
+    assert converted.request_id == "r1"
+
+
+def test_chat_adds_the_generation_prompt_by_default() -> None:
+    request = generate_pb2.GenerateRequest()
+    request.chat.messages.add(role="user", content="hi")
+    with_prompt = _convert(request).prompt_token_ids
+    request.chat.add_generation_prompt = False
+    without = _convert(request).prompt_token_ids
+    assert len(with_prompt) > len(without)
+
+
+def test_logit_bias_and_stop_conditions() -> None:
+    request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5, 6]))
+    request.sampling.logit_bias[9] = -1.5
+    request.sampling.logit_bias[3] = 2.0
+    request.stopping.stop.extend(["xy"])
+    request.stopping.stop_token_ids.extend([7])
+    request.stopping.include_stop_string = True
+    converted = _convert(request)
+    assert converted.params.logit_bias == ((3, 2.0), (9, -1.5))
+    assert converted.params.stop_token_ids == (7,)
+    assert converted.stop == ("xy",)
+    assert converted.include_stop_str_in_output is True
+
+
+def test_tokenize_offsets_only_when_asked() -> None:
+    ids, offsets = convert.tokenize_input(tokenize_pb2.TokenizeRequest(text="ab"), tokenizer=TOKENIZER)
+    assert offsets is None
+    assert len(ids) == 3
+    _, offsets = convert.tokenize_input(
+        tokenize_pb2.TokenizeRequest(text="ab", return_offsets=True), tokenizer=TOKENIZER
+    )
+    assert offsets == [(0, 0), (0, 1), (1, 2)]
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "message"),
+    [
+        (RequestError("top_p", "must be in (0, 1]"), "INVALID_ARGUMENT", "sampling.top_p: must be in (0, 1]"),
+        (RequestError("max_tokens", "must be >= 1"), "INVALID_ARGUMENT", "stopping.max_tokens: must be >= 1"),
+        (RequestError("logprobs", "bad"), "INVALID_ARGUMENT", "output.logprobs: bad"),
+        (EngineOverloaded("full"), "RESOURCE_EXHAUSTED", "full"),
+        (EngineDead("the engine is draining"), "UNAVAILABLE", "the engine is draining"),
+        (KeyError("secret"), "INTERNAL", "internal server error (details are in the server log)"),
+    ],
+)
+def test_errors_map_in_one_place(exc: Exception, status: str, message: str) -> None:
+    error = to_grpc_error(exc, rpc="Generate", request_id="r")
+    assert error.status.name == status
+    assert error.message == message
