@@ -70,6 +70,11 @@ class LLMEngine:
                                       device=loaded.device)
             self.runner.check_model()
         self.sampler = Sampler(vocab_size=loaded.info.vocab_size, eos_token_ids=loaded.info.eos_token_ids)
+        info = loaded.info
+        logger.info("loaded %s (%s, %s, %d parameters) on %s as %s; max_model_len %d, "
+                    "%d KV blocks of %d tokens", info.model_path, info.architecture, info.task,
+                    info.num_parameters, info.device, info.dtype, info.max_model_len, info.num_kv_blocks,
+                    info.block_size)
 
     # 1) admission
     def add_request(self, request: EngineRequest) -> None:

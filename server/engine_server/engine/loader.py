@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 import torch
 
 from engine_server.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
@@ -187,7 +190,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
     # NOTE: one sequence must always fit in the cache on its own, or preemption could not
     # guarantee progress; a small cache therefore lowers max_model_len.
-    max_model_len = min(max_model_len, num_blocks * config.block_size)
+    if num_blocks * config.block_size < max_model_len:
+        logger.warning("max_model_len lowered from %d to %d: the KV cache holds only %d blocks of %d tokens",
+                       max_model_len, num_blocks * config.block_size, num_blocks, config.block_size)
+        max_model_len = num_blocks * config.block_size
     if max_model_len < 2:
         raise ValueError(f"the KV cache ({num_blocks} blocks of {config.block_size}) is too small")
     info = ModelInfo(

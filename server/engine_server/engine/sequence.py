@@ -41,7 +41,6 @@ class Sequence:
     is_first_output: bool = True
     # Prompt logprobs accumulate chunk by chunk; they ride on the first delta.
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    output_logprobs_pending: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
