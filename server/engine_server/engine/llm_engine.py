@@ -131,17 +131,22 @@ class LLMEngine:
 
     # 2) the step
     def step(self) -> list[CompletionDelta]:
+        """One scheduler step; at most one delta per completion (ABORT deltas of aborted requests first)."""
+        # 1) aborts free their blocks before anything is scheduled
         deltas = self._process_aborts()
         if self.runner is None:
             return deltas
+        # 2) schedule and run one flattened forward pass
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return deltas
         step_logits, ordered = self.runner.execute(sched.scheduled)
+        # 3) the KV of the scheduled tokens now exists: count it, publish full blocks to the prefix cache
         for s in ordered:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.register_full_blocks(s.seq)
         self._collect_prompt_logprobs(step_logits, ordered)
+        # 4) sample for every sequence whose last token was computed (forking n > 1 siblings), emit
         sample_seqs, rows = self._sampling_rows(step_logits, ordered)
         if sample_seqs:
             tokens, logprobs = self.sampler(step_logits.logits[rows], sample_seqs)
