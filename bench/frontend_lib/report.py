@@ -6,7 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-SERVER_LABELS = {"grpc": "engine-server (gRPC)", "sse": "HTTP/SSE reference", "inproc": "in-process"}
+SERVER_LABELS = {"grpc": "engine-server (gRPC)", "grpc2": "engine-server --api-workers 2",
+                 "sse": "HTTP/SSE reference", "inproc": "in-process"}
 ENGINE_LABELS = {"sim": "simulated engine", "tiny": "tiny model"}
 COLUMNS = (
     ("tok/s", "tokens_per_s", "{:.0f}"), ("req/s", "requests_per_s", "{:.2f}"),

@@ -132,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the engine core on a thread of this process instead of its own process",
     )
+    # Hidden (benchmarks): a simulated engine core with a fixed step time, no model (engine/simulated.py).
+    engine.add_argument("--simulated-engine", type=float, metavar="STEP_MS", help=argparse.SUPPRESS)
+    engine.add_argument(
+        "--api-workers",
+        type=int,
+        metavar="N",
+        default=1,
+        help="gRPC frontend processes sharing the port (SO_REUSEPORT) over one engine core process",
+    )
 
     net = p.add_argument_group("network")
     net.add_argument(
@@ -250,6 +259,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
             metrics_port=args.metrics_port,
             ready_file=args.ready_file,
             in_process_engine=args.in_process_engine,
+            api_workers=args.api_workers,
             security=security,
         )
         engine = EngineConfig(
@@ -291,7 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info("engine-server %s (pid %d)", _version(), os.getpid())
     from engine_server.api.runner import run
 
-    return run(server_config, engine_config)
+    factory = None
+    if args.simulated_engine is not None:  # a dev/bench option: the frontend measured alone
+        from engine_server.engine.simulated import simulated_engine_factory
+
+        factory = simulated_engine_factory(args.simulated_engine)
+    return run(server_config, engine_config, engine_factory=factory)
 
 
 def _version() -> str:

@@ -21,6 +21,7 @@ class ServerConfig:
     metrics_port: int | None = None  # None = no metrics endpoint; 0 = any free port
     ready_file: str | None = None  # JSON {"port": N, "pid": P}, written atomically once SERVING
     in_process_engine: bool = False  # the engine core on a thread instead of its own process
+    api_workers: int = 1  # frontend processes sharing the port (SO_REUSEPORT) over one engine core
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
@@ -32,5 +33,10 @@ class ServerConfig:
             raise ValueError(f"max_concurrent_streams: must be >= 1, got {self.max_concurrent_streams}")
         if not math.isfinite(self.drain_timeout_s) or self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout: must be >= 0 seconds, got {self.drain_timeout_s}")
+        if self.api_workers < 1:
+            raise ValueError(f"api_workers: must be >= 1, got {self.api_workers}")
+        if self.api_workers > 1 and self.in_process_engine:
+            raise ValueError("api_workers: several frontend processes need the engine core in its own "
+                             "process (drop --in-process-engine)")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: must be in [0, 65535], got {self.metrics_port}")

@@ -11,7 +11,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from engine_server.api.server import EngineServer, default_engine_starter
+from engine_server.api.server import EngineServer, EngineStarter, default_engine_starter
+from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
 
 if TYPE_CHECKING:
     from engine_server.api.config import ServerConfig
@@ -20,13 +21,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger("engine_server")
 
 
-async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit code."""
-    server = EngineServer(
-        server_config,
-        engine_config=engine_config,
-        start_engine=default_engine_starter(engine_config, in_process=server_config.in_process_engine),
-    )
+async def serve(
+    server_config: ServerConfig, engine_config: EngineConfig, *, engine_factory: EngineFactory | None = None
+) -> int:
+    """Run until SIGTERM/SIGINT; returns the exit code. `engine_factory`: LLMEngine unless given."""
+    start_engine: EngineStarter
+    if server_config.api_workers > 1:
+        from engine_server.api.workers import scale_out_starter
+
+        start_engine = scale_out_starter(server_config, engine_config, get_port=lambda: server.port,
+                                         engine_factory=engine_factory or default_engine_factory)
+    else:
+        start_engine = default_engine_starter(engine_config, in_process=server_config.in_process_engine,
+                                              engine_factory=engine_factory)
+    server = EngineServer(server_config, engine_config=engine_config, start_engine=start_engine)
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
 
@@ -67,7 +75,9 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int
     return 1
 
 
-def run(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+def run(
+    server_config: ServerConfig, engine_config: EngineConfig, *, engine_factory: EngineFactory | None = None
+) -> int:
     try:
         import uvloop
 
@@ -75,4 +85,4 @@ def run(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(serve(server_config, engine_config))
+        return runner.run(serve(server_config, engine_config, engine_factory=engine_factory))

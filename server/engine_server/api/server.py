@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from engine_server.api.handle import EngineHandle
     from engine_server.api.security import GuardedServer
     from engine_server.engine.config import EngineConfig
+    from engine_server.frontend.core_loop import EngineFactory
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +45,10 @@ EngineStarter = Callable[[], Awaitable["EngineHandle"]]
 _HANDLER_GRACE_S = 5.0  # after the engine drained: time for handlers to flush their last messages
 
 
-def _listen_socket(host: str, port: int) -> socket.socket:
+def _listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    return socket.create_server((host, port), family=family, backlog=1024)
+    # NOTE: reuse_port with --api-workers: every frontend process listens on the same port.
+    return socket.create_server((host, port), family=family, backlog=1024, reuse_port=reuse_port)
 
 
 def write_ready_file(path: str, *, port: int, metrics_port: int | None = None) -> None:
@@ -99,7 +101,7 @@ class EngineServer:
 
     async def start(self) -> None:
         cfg = self.config
-        sock = _listen_socket(cfg.host, cfg.port)
+        sock = _listen_socket(cfg.host, cfg.port, reuse_port=cfg.api_workers > 1)
         self.port = sock.getsockname()[1]
         await self._server.start(sock=sock, ssl=cfg.security.server_ssl_context())
         logger.info("listening on %s:%d (health NOT_SERVING until the model is loaded)", cfg.host, self.port)
@@ -191,10 +193,14 @@ class EngineServer:
         logger.info("server stopped")
 
 
-def default_engine_starter(engine_config: EngineConfig, *, in_process: bool) -> EngineStarter:
+def default_engine_starter(
+    engine_config: EngineConfig, *, in_process: bool, engine_factory: EngineFactory | None = None
+) -> EngineStarter:
     async def start() -> EngineHandle:
         from engine_server.frontend.async_engine import AsyncEngine
 
-        return await AsyncEngine.start(engine_config, in_process=in_process)
+        if engine_factory is None:
+            return await AsyncEngine.start(engine_config, in_process=in_process)
+        return await AsyncEngine.start(engine_config, in_process=in_process, engine_factory=engine_factory)
 
     return start

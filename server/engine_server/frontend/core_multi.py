@@ -1,0 +1,174 @@
+"""One engine core serving several frontend processes (`engine-server --api-workers N`), one pipe each.
+
+Request ids: frontend i's requests run in the engine as "i/<request_id>", so each frontend has its own slice
+of the id space (two clients may pick the same id on different frontends); the prefix is stripped on the way
+back.
+Every frontend gets its own deltas in one StepOutput per step, and the engine-wide stats whenever they change
+(GetLoad on any frontend describes the whole engine). A frontend that says shutdown or whose pipe closes is
+detached (its requests aborted); frontend 0 (the primary, which owns the core process) stops the core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, cast
+
+from engine_server.engine.types import (
+    CompletionDelta,
+    EngineOverloaded,
+    EngineRequest,
+    EngineStats,
+    RequestError,
+)
+from engine_server.frontend.messages import (
+    AbortCommand,
+    AddCommand,
+    CallReply,
+    Command,
+    CoreFailed,
+    EmbedCommand,
+    ErrorInfo,
+    LoadFailed,
+    Ready,
+    StatsCommand,
+    StepOutput,
+)
+
+if TYPE_CHECKING:
+    from engine_server.engine.config import EngineConfig
+    from engine_server.frontend.core_loop import EngineCore, EngineFactory
+
+logger = logging.getLogger(__name__)
+
+
+def run_multi_core_process(
+    conns: list[Connection], config: EngineConfig, engine_factory: EngineFactory
+) -> None:
+    """Entry point of the shared core's process; conns[0] belongs to the primary frontend."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the primary decides how to stop
+    try:
+        try:
+            engine = engine_factory(config)
+        except Exception as exc:
+            for conn in conns:
+                with contextlib.suppress(OSError):
+                    conn.send(LoadFailed(type(exc).__name__, str(exc)))
+            return
+        for conn in conns:
+            conn.send(Ready(engine.model_info, engine.stats()))
+        _MultiCoreLoop(engine, conns).run()
+    except Exception as exc:
+        logger.exception("engine core failed")
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.send(CoreFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+class _MultiCoreLoop:
+    def __init__(self, engine: EngineCore, conns: list[Connection]) -> None:
+        self._engine = engine
+        self._conns: dict[int, Connection] = dict(enumerate(conns))
+        # Per frontend: engine request id -> completions still running (aborted if the frontend goes away).
+        self._owned: dict[int, dict[str, int]] = {index: {} for index in self._conns}
+        self._rejected: dict[int, list[tuple[str, ErrorInfo]]] = {}
+        self._needs_step = False
+        self._last_stats: EngineStats | None = None
+        self._is_stopping = False
+
+    def run(self) -> None:
+        engine = self._engine
+        while True:
+            # 1) Commands from every frontend; block (on all pipes) only when there is no work.
+            timeout = None if not engine.has_unfinished() and not self._needs_step else 0
+            for ready in wait(list(self._conns.values()), timeout):
+                self._read(cast(Connection, ready))
+            if self._is_stopping or 0 not in self._conns:
+                return
+            # 2) One step; 3) each frontend's deltas (and the stats) in one message per frontend.
+            if engine.has_unfinished() or self._needs_step:
+                self._send_step(engine.step(), engine.stats())
+                self._needs_step = False
+
+    def _read(self, conn: Connection) -> None:
+        index = next(i for i, c in self._conns.items() if c is conn)
+        try:
+            while conn.poll(0):
+                self._handle(index, conn.recv())
+                if index not in self._conns:
+                    return
+        except (EOFError, OSError):
+            self._detach(index)
+
+    def _handle(self, index: int, commands: tuple[Command, ...]) -> None:
+        engine, prefix = self._engine, f"{index}/"
+        for command in commands:
+            if isinstance(command, AddCommand):
+                self._needs_step = True
+                request = command.request
+                engine_id = prefix + request.request_id
+                try:
+                    engine.add_request(EngineRequest(engine_id, request.prompt_token_ids, request.params))
+                    self._owned[index][engine_id] = request.params.n
+                except (RequestError, EngineOverloaded) as exc:
+                    self._rejected.setdefault(index, []).append(
+                        (request.request_id, ErrorInfo.from_exception(exc)))
+            elif isinstance(command, AbortCommand):
+                self._needs_step = True
+                engine.abort([prefix + request_id for request_id in command.request_ids])
+            elif isinstance(command, StatsCommand):
+                self._conns[index].send(CallReply(command.call_id, engine.stats()))
+            elif isinstance(command, EmbedCommand):
+                try:
+                    vectors = engine.embed(command.inputs, normalize=command.normalize)
+                    reply = CallReply(command.call_id, vectors)
+                except Exception as exc:
+                    reply = CallReply(command.call_id, error=ErrorInfo.from_exception(exc))
+                self._conns[index].send(reply)
+            elif index == 0:  # ShutdownCommand from the primary: stop the core
+                self._is_stopping = True
+                return
+            else:  # ShutdownCommand from a worker: it is done
+                self._detach(index)
+                return
+
+    def _detach(self, index: int) -> None:
+        conn = self._conns.pop(index, None)
+        if conn is not None:
+            conn.close()
+        owned = self._owned.pop(index, {})
+        if owned:
+            self._engine.abort(list(owned))
+            self._needs_step = True
+        self._rejected.pop(index, None)
+
+    def _send_step(self, deltas: list[CompletionDelta], stats: EngineStats) -> None:
+        per_frontend: dict[int, list[CompletionDelta]] = {}
+        for delta in deltas:
+            prefix, _, request_id = delta.request_id.partition("/")
+            index = int(prefix)
+            if delta.finish_reason is not None:
+                owned = self._owned.get(index, {})
+                remaining = owned.get(delta.request_id, 1) - 1
+                if remaining > 0:
+                    owned[delta.request_id] = remaining
+                else:
+                    owned.pop(delta.request_id, None)
+            delta.request_id = request_id
+            per_frontend.setdefault(index, []).append(delta)
+        stats_changed = stats != self._last_stats
+        self._last_stats = stats
+        for index, conn in list(self._conns.items()):
+            mine = per_frontend.get(index)
+            rejected = self._rejected.pop(index, [])
+            if mine or rejected or stats_changed or self._needs_step:
+                try:
+                    conn.send(StepOutput(mine or [], stats, rejected))
+                except OSError:
+                    self._detach(index)

@@ -1,0 +1,106 @@
+"""Several frontend processes over one engine core (`engine-server --api-workers N`): the frontend side.
+
+The primary frontend starts the shared core (frontend/core_multi.py) with one pipe per frontend and gets an
+`AsyncEngine` on pipe 0; it hands the other pipes to its worker processes, which `attach_engine` to theirs.
+Everything above the pipe (detokenizer, stop strings, coalescing) is the ordinary AsyncEngine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+from engine_server.frontend.async_engine import AsyncEngine
+from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
+from engine_server.frontend.core_multi import run_multi_core_process
+from engine_server.frontend.core_process import CoreClient, CoreGone, EngineLoadError
+from engine_server.frontend.messages import LoadFailed, Ready
+from engine_server.frontend.tokenizer import Tokenizer, TokenizerLoadError
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    from engine_server.engine.config import EngineConfig
+
+BeforeShutdown = Callable[[float], Awaitable[None]]
+
+
+class PrimaryEngine(AsyncEngine):
+    """The primary frontend's handle: on shutdown, the workers stop first (they share its core)."""
+
+    _before_shutdown: BeforeShutdown | None = None
+
+    def set_before_shutdown(self, hook: BeforeShutdown) -> None:
+        self._before_shutdown = hook
+
+    async def shutdown(self, *, timeout: float) -> None:  # noqa: ASYNC109 - a drain budget
+        hook, self._before_shutdown = self._before_shutdown, None
+        if hook is not None:
+            self.begin_drain()
+            await hook(timeout)
+        await super().shutdown(timeout=timeout)
+
+
+async def start_shared_core(
+    config: EngineConfig, *, num_frontends: int, engine_factory: EngineFactory = default_engine_factory
+) -> tuple[PrimaryEngine, list[Connection]]:
+    """Start the core process; returns the primary's handle and the pipes for frontends 1..N-1."""
+    if num_frontends < 1:
+        raise ValueError(f"num_frontends: must be >= 1, got {num_frontends}")
+    # NOTE: "spawn", not fork: the parent runs an event loop and threads; torch is not fork-safe.
+    ctx = multiprocessing.get_context("spawn")
+    pairs = [ctx.Pipe(duplex=True) for _ in range(num_frontends)]
+    children = [child for _, child in pairs]
+    process = ctx.Process(target=run_multi_core_process, args=(children, config, engine_factory),
+                          name="engine-core", daemon=True)
+    process.start()
+    for _, child in pairs:
+        child.close()  # else a frontend never sees EOF when the core dies
+    try:
+        engine = await _attach(pairs[0][0], config, process=process, engine_cls=PrimaryEngine)
+    except BaseException:
+        for parent, _ in pairs[1:]:
+            parent.close()
+        raise
+    assert isinstance(engine, PrimaryEngine)
+    return engine, [parent for parent, _ in pairs[1:]]
+
+
+async def attach_engine(conn: Connection, config: EngineConfig) -> AsyncEngine:
+    """A worker frontend's handle on the shared core, over the pipe the primary gave it."""
+    return await _attach(conn, config, process=None, engine_cls=AsyncEngine)
+
+
+async def _attach(
+    conn: Connection, config: EngineConfig, *, process: BaseProcess | None, engine_cls: type[AsyncEngine]
+) -> AsyncEngine:
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    conn.close()
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    client = CoreClient(reader=reader, writer=writer, process=process, thread=None)
+    try:
+        first = await client.recv()
+        if isinstance(first, LoadFailed):
+            raise EngineLoadError(f"cannot load model {config.model!r}: {first.error_type}: {first.message}")
+        if not isinstance(first, Ready):
+            raise EngineLoadError(f"unexpected handshake message {type(first).__name__}")
+        tokenizer = await asyncio.to_thread(Tokenizer, first.model_info.model_path)
+    except CoreGone as exc:
+        await client.close(timeout=5.0)
+        raise EngineLoadError("engine core exited while loading the model") from exc
+    except TokenizerLoadError as exc:
+        await client.close(timeout=5.0)
+        raise EngineLoadError(str(exc)) from exc
+    except BaseException:
+        client.abandon()
+        raise
+    from engine_server.engine.validation import validate_request
+
+    return engine_cls(client, first.model_info, first.stats, tokenizer=tokenizer,
+                      max_pending=config.max_num_seqs + config.max_waiting, validator=validate_request)

@@ -1,0 +1,133 @@
+"""engine-server --api-workers 2: two frontend processes on one port over one engine core process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_proto.engine.v1 import generate_pb2, info_pb2
+from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
+from grpclib.client import Channel
+from serverproc import RunningServer, start_server
+
+TIMEOUT = 60.0
+MAX_CHANNELS = 32  # new connections until the kernel has handed some to each listener
+
+
+def _request(request_id: str, *, max_tokens: int) -> generate_pb2.GenerateRequest:
+    request = generate_pb2.GenerateRequest(request_id=request_id, stream=True)
+    request.token_ids.ids.extend([20, 21, 22, 23])
+    request.sampling.temperature = 0.0
+    request.stopping.max_tokens = max_tokens
+    request.stopping.ignore_eos = True
+    return request
+
+
+def _socket_owner(channel: Channel) -> int:
+    """The pid of the server process that accepted this channel's connection (via /proc/net/tcp)."""
+    protocol: Any = channel._protocol  # grpclib internals: the connection of a used channel
+    local_port = protocol.connection._transport.get_extra_info("sockname")[1]
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].split(":")[1], 16) == local_port:  # remote end = our client socket
+            inode = fields[9]
+            break
+    assert inode is not None
+    target = f"socket:[{inode}]"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == target for fd in fds):
+                return int(pid)
+        except OSError:
+            continue
+    raise AssertionError("no process owns the server end of the connection")
+
+
+async def _tokens(stub: EngineServiceStub, request_id: str, *, max_tokens: int) -> list[int]:
+    async with stub.Generate.open(timeout=TIMEOUT) as stream:
+        await stream.send_message(_request(request_id, max_tokens=max_tokens), end=True)
+        responses = [response async for response in stream]
+    return [t for response in responses for c in response.completions for t in c.token_ids]
+
+
+async def _num_running(stub: EngineServiceStub) -> int:
+    load = await stub.GetLoad(info_pb2.GetLoadRequest(), timeout=TIMEOUT)
+    return load.load.num_running_requests + load.load.num_waiting_requests
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    with start_server("--api-workers", "2", "--max-num-seqs", "8", "--drain-timeout", "5") as running:
+        yield running
+
+
+async def test_two_frontends_one_engine(server: RunningServer) -> None:
+    channels: dict[int, Channel] = {}  # serving pid -> a channel it accepted
+    spare: list[Channel] = []
+    try:
+        async with asyncio.timeout(TIMEOUT * 2):
+            # 1) Connections until both listeners got one; the same greedy request on each gives the same ids.
+            for _ in range(MAX_CHANNELS):
+                channel = Channel("127.0.0.1", server.port)
+                await EngineServiceStub(channel).GetLoad(info_pb2.GetLoadRequest(), timeout=TIMEOUT)
+                pid = _socket_owner(channel)
+                if pid in channels:
+                    spare.append(channel)
+                else:
+                    channels[pid] = channel
+                if len(channels) == 2:
+                    break
+            assert len(channels) == 2, "the kernel gave every connection to one frontend"
+            assert server.process.pid in channels  # the primary is one of them
+            stubs = [EngineServiceStub(channel) for channel in channels.values()]
+            first, second = [await _tokens(stub, "same-id", max_tokens=6) for stub in stubs]
+            assert first == second
+            assert len(first) == 6
+
+            # 2) Endless streams on both frontends (the same request id: each frontend has its own slice);
+            #    GetLoad on either one sees the whole engine.
+            streams = []
+            for stub in stubs:
+                stream = stub.Generate.open(timeout=TIMEOUT)
+                await stream.__aenter__()
+                await stream.send_message(_request("endless", max_tokens=1500), end=True)
+                assert (await stream.recv_message()) is not None
+                streams.append(stream)
+            assert await _num_running(stubs[0]) == 2
+            assert await _num_running(stubs[1]) == 2
+
+            # 3) Abort on the second frontend ends its stream only; cancelling the first's stream aborts it.
+            abort = generate_pb2.AbortRequest(request_ids=["endless"])
+            aborted = await stubs[1].Abort(abort, timeout=TIMEOUT)
+            assert list(aborted.aborted_request_ids) == ["endless"]
+            finish = None
+            async for response in streams[1]:
+                for chunk in response.completions:
+                    finish = chunk.finish_reason or finish
+            assert finish == generate_pb2.FINISH_REASON_ABORT
+            await streams[0].cancel()
+            for stream in streams:
+                await stream.__aexit__(None, None, None)
+            # NOTE: polls a counter in another process (the core's next step reports it); bounded above.
+            while await _num_running(stubs[0]) != 0:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+            assert await _num_running(stubs[1]) == 0
+    finally:
+        for channel in [*channels.values(), *spare]:
+            channel.close()
+
+
+def test_sigterm_stops_every_process(server: RunningServer) -> None:
+    children = [int(pid) for pid in Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children")
+                .read_text().split()]
+    assert len(children) >= 2  # the engine core and the worker (spawn may add a resource tracker)
+    assert server.stop(signal.SIGTERM) == 0
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
