@@ -87,6 +87,8 @@ def plot(rows: list[Row], engine: str, path: Path) -> None:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
                     label=SERVER_LABELS.get(server, server))
         ax.set_xscale("log", base=2)
+        if key in ("ttft_p99_ms", "server_cpu_us_per_token"):
+            ax.set_yscale("log")
         ax.set_xlabel("concurrent streams")
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)

@@ -16,6 +16,7 @@ from grpclib.exceptions import GRPCError
 import engine_server
 from engine_server.api import convert, responses
 from engine_server.api.errors import RequestFailed, ServerBusy, to_grpc_error
+from engine_server.api.fast_send import FastSender
 from engine_server.engine.types import EngineDead
 from engine_server.frontend.outputs import EngineState
 
@@ -145,7 +146,7 @@ class EngineServicer(EngineServiceBase):
         metrics = self._metrics
         timer = metrics.request_timer() if metrics is not None else None
         num_completion_tokens = [0] * request.params.n
-        send = stream.send_message
+        send = FastSender(stream).send  # NOTE: the per-message hot path (api/fast_send.py)
         async for output in outputs:
             if output.error is not None:
                 raise RequestFailed(output.error)

@@ -80,7 +80,7 @@ class BatchingTransport(asyncio.Transport):
         self._inner.set_write_buffer_limits(high, low)
 
     def get_write_buffer_limits(self) -> tuple[int, int]:
-        limits: tuple[int, int] = self._inner.get_write_buffer_limits()  # type: ignore[attr-defined]
+        limits: tuple[int, int] = getattr(self._inner, "get_write_buffer_limits")()  # noqa: B009 - not typed
         return limits
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 class FinishReason(enum.Enum):
@@ -107,6 +107,14 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def __reduce__(self) -> tuple[type[SamplingParams], tuple[object, ...]]:
+        # NOTE: pickled once per request to the engine core; a constructor call is cheaper than the slots
+        # dataclass __getstate__/__setstate__ pair, which calls fields() on both ends.
+        return SamplingParams, tuple(getattr(self, name) for name in _SAMPLING_FIELDS)
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
@@ -115,6 +123,9 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+
+    def __reduce__(self) -> tuple[type[EngineRequest], tuple[object, ...]]:
+        return EngineRequest, (self.request_id, self.prompt_token_ids, self.params)
 
 
 @dataclass(frozen=True, slots=True)
