@@ -2,10 +2,14 @@
 
 with start_server("--max-num-seqs", "8") as server:
     channel = Channel("127.0.0.1", server.port)
+
+Several at once (their startups overlap): `start_servers(2, "--in-process-engine")`. Both are safe to call
+from any thread.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -13,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
@@ -21,13 +27,27 @@ STOP_TIMEOUT_S = 60.0
 
 
 def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when the test process dies, so no server is orphaned."""
+    """In the child before exec (Linux): SIGTERM when the test process dies, so no server is orphaned.
+
+    NOTE: the kernel sends it when the *thread* that forked the child exits, not the process: hence every
+    server is forked by `_spawner()`'s one thread, which lives as long as the test process.
+    """
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
     except OSError:  # not Linux / no glibc: best effort only
         pass
+
+
+@functools.cache
+def _spawner() -> ThreadPoolExecutor:
+    """The one long-lived thread that forks every server (see `_die_with_parent`).
+
+    NOTE: cached, not a module global: created on first use; at interpreter exit concurrent.futures joins
+    the thread, and its exit SIGTERMs any server still running.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="serverproc-spawner")
 
 
 def _command() -> list[str]:
@@ -84,35 +104,94 @@ class RunningServer:
             self.stop()
 
 
+class _Launch:
+    """A server process that has not yet written its ready file."""
+
+    def __init__(self, *extra_args: str, env: dict[str, str] | None) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="engine-server-"))
+        self.ready = self.workdir / "ready.json"
+        command = [*_command(), "--port", "0", "--ready-file", str(self.ready), *extra_args]
+        self.process = _spawner().submit(_popen, command, log_path=self.log_path, env=env).result()
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "server.log"
+
+    def check_running(self) -> None:
+        if self.process.poll() is not None:
+            log_text = self.log_path.read_text(errors="replace")
+            raise RuntimeError(
+                f"engine-server exited with {self.process.returncode} before ready:\n{log_text[-4000:]}"
+            )
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def running_server(self) -> RunningServer:
+        info = json.loads(self.ready.read_text())
+        return RunningServer(
+            self.process, port=int(info["port"]), workdir=self.workdir, metrics_port=info.get("metrics_port")
+        )
+
+
+def _popen(command: list[str], *, log_path: Path, env: dict[str, str] | None) -> subprocess.Popen[bytes]:
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+
+
+def _wait_ready(launches: Sequence[_Launch], *, timeout: float) -> list[RunningServer]:
+    """Poll every ready file (bounded by `timeout`); on any failure kill them all and raise."""
+    deadline = time.monotonic() + timeout
+    try:
+        # NOTE: polling a file is the contract with every harness (no log scraping); bounded by `timeout`.
+        while not all(launch.ready.exists() for launch in launches):
+            for launch in launches:
+                launch.check_running()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine-server not ready after {timeout} s")
+            time.sleep(0.05)
+    except BaseException:
+        for launch in launches:
+            launch.kill()
+        raise
+    return [launch.running_server() for launch in launches]
+
+
 def start_server(
     *extra_args: str, env: dict[str, str] | None = None, timeout: float = STARTUP_TIMEOUT_S
 ) -> RunningServer:
     """Launch `engine-server --port 0 --ready-file ...` and return once it is SERVING."""
-    workdir = Path(tempfile.mkdtemp(prefix="engine-server-"))
-    ready = workdir / "ready.json"
-    full_env = {**os.environ, **(env or {})}
-    with (workdir / "server.log").open("wb") as log:
-        process = subprocess.Popen(
-            [*_command(), "--port", "0", "--ready-file", str(ready), *extra_args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-        )
-    deadline = time.monotonic() + timeout
-    # NOTE: polling a file is the contract with every harness (no log scraping); bounded by `timeout`.
-    while not ready.exists():
-        if process.poll() is not None:
-            log_text = (workdir / "server.log").read_text(errors="replace")
-            raise RuntimeError(
-                f"engine-server exited with {process.returncode} before ready:\n{log_text[-4000:]}"
-            )
-        if time.monotonic() > deadline:
-            process.kill()
-            process.wait(10)
-            raise TimeoutError(f"engine-server not ready after {timeout} s")
-        time.sleep(0.05)
-    info = json.loads(ready.read_text())
-    return RunningServer(
-        process, port=int(info["port"]), workdir=workdir, metrics_port=info.get("metrics_port")
-    )
+    return _wait_ready([_Launch(*extra_args, env=env)], timeout=timeout)[0]
+
+
+def start_servers(
+    count: int,
+    *extra_args: str,
+    per_server_args: Sequence[Sequence[str]] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = STARTUP_TIMEOUT_S,
+) -> list[RunningServer]:
+    """Launch `count` servers at once and return when all are SERVING (or kill them all and raise).
+
+    Server i gets `extra_args` followed by `per_server_args[i]` (when given, one entry per server).
+    """
+    if per_server_args and len(per_server_args) != count:
+        raise ValueError(f"per_server_args has {len(per_server_args)} entries for {count} servers")
+    own_args = per_server_args or [()] * count
+    launches: list[_Launch] = []
+    try:
+        for args in own_args:
+            launches.append(_Launch(*extra_args, *args, env=env))
+    except BaseException:
+        for launch in launches:
+            launch.kill()
+        raise
+    return _wait_ready(launches, timeout=timeout)

@@ -19,7 +19,7 @@ import grpc
 import httpx
 import pytest
 from engine_proto.engine.v1 import engine_service_pb2_grpc, generate_pb2, info_pb2
-from serverproc import RunningServer, start_server
+from serverproc import RunningServer, start_servers
 from smgproc import RunningGateway, start_gateway
 from tokenizers import Tokenizer
 
@@ -37,14 +37,12 @@ pytestmark = pytest.mark.slow
 def workers() -> Iterator[list[RunningServer]]:
     args = ("--served-model-name", MODEL, "--max-num-seqs", "8", "--drain-timeout", "1")
     # One worker with its engine core in a process of its own (the default), one with it on a thread: both
-    # cancellation paths are exercised, and the second starts faster (one torch import).
-    # NOTE: started from this thread, one after the other: serverproc sets PR_SET_PDEATHSIG, which fires
-    # when the *thread* that started the server exits (a thread pool's would kill them at once).
-    servers: list[RunningServer] = []
+    # cancellation paths are exercised. Their startups overlap (start_servers).
+    # One torch thread: two workers, smg and the test share two cores (see BENCHMARKS.md, Engine).
+    servers = start_servers(
+        2, *args, per_server_args=[(), ("--in-process-engine",)], env={"OMP_NUM_THREADS": "1"}
+    )
     try:
-        for extra in ((), ("--in-process-engine",)):
-            # One torch thread: two workers, smg and the test share two cores (see BENCHMARKS.md, Engine).
-            servers.append(start_server(*args, *extra, env={"OMP_NUM_THREADS": "1"}))
         yield servers
     finally:
         for server in servers:
