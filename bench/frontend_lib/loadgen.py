@@ -21,6 +21,7 @@ from engine_server.api.write_batch import BatchingTransport
 from grpclib.client import Channel, Handler
 from grpclib.protocol import H2Protocol
 
+from frontend_lib.h2_client import H2GrpcConnection
 from frontend_lib.workload import RequestTrace, SendFn, closed_loop, cpu_seconds_self, prompt_ids, summarize
 
 REQUEST_TIMEOUT_S = 600.0
@@ -52,6 +53,28 @@ def grpc_sender(channel: Channel, *, prompt: int, output: int, tag: str) -> Send
             await stream.send_message(request, end=True)
             async for response in stream:
                 arrivals.append((clock(), sum(len(c.token_ids) for c in response.completions)))
+
+    return send
+
+
+def h2_sender(conn: H2GrpcConnection, *, prompt: int, output: int, tag: str) -> SendFn:
+    """The default gRPC client: raw HTTP/2 frames (frontend_lib/h2_client.py) + upb parsing per message."""
+    path = "/engine.v1.EngineService/Generate"
+    parse = generate_pb2.GenerateResponse.FromString
+
+    async def send(i: int, trace: RequestTrace) -> None:
+        request = generate_pb2.GenerateRequest(request_id=f"{tag}-{i}", stream=True)
+        request.token_ids.ids.extend(prompt_ids(i, prompt))
+        request.sampling.temperature = 0.0
+        request.stopping.max_tokens = output
+        request.stopping.ignore_eos = True
+        arrivals = trace.arrivals
+        clock = time.perf_counter
+
+        def on_message(data: bytes) -> None:
+            arrivals.append((clock(), sum(len(c.token_ids) for c in parse(data).completions)))
+
+        await asyncio.wait_for(conn.call(path, request.SerializeToString(), on_message), REQUEST_TIMEOUT_S)
 
     return send
 
@@ -108,9 +131,13 @@ def sse_sender(host: str, port: int, *, prompt: int, output: int) -> SendFn:
 
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     channel: Channel | None = None
-    if args.kind == "grpc":
+    conn: H2GrpcConnection | None = None
+    if args.kind == "grpc" and args.grpc_client == "grpclib":
         channel = _BatchingChannel(args.host, args.port)
         send = grpc_sender(channel, prompt=args.prompt, output=args.output, tag=args.tag)
+    elif args.kind == "grpc":
+        conn = await H2GrpcConnection.connect(args.host, args.port)
+        send = h2_sender(conn, prompt=args.prompt, output=args.output, tag=args.tag)
     else:
         send = sse_sender(args.host, args.port, prompt=args.prompt, output=args.output)
     try:
@@ -120,6 +147,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     finally:
         if channel is not None:
             channel.close()
+        if conn is not None:
+            conn.close()
     return summarize(traces, wall_s=wall_s, client_cpu_s=cpu_s).to_json()
 
 
@@ -133,6 +162,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=100)
     p.add_argument("--output", type=int, default=100)
     p.add_argument("--tag", default="bench")
+    p.add_argument("--grpc-client", choices=("h2", "grpclib"), default="h2")
     args = p.parse_args()
     import uvloop
 
