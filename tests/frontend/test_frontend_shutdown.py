@@ -1,24 +1,40 @@
-"""A clean shutdown of the real engine in its own process is quick; the core exits by itself (not killed)."""
+"""A clean shutdown of the real engine (own or shared core process) is quick; the core exits by itself."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.types import SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
 from engine_server.frontend.outputs import GenerateRequest
+from engine_server.frontend.scale_out import start_shared_core
 
 # NOTE: before the core skipped the interpreter's teardown, this took 1.05-2.0 s on an idle 2-core machine
 # (and reached CoreClient.close's 5 s kill on a busy one); now ~0.05 s. The bound leaves room for load.
 SHUTDOWN_BUDGET_S = 0.75
 
 
-async def test_idle_own_process_engine_shuts_down_fast_and_core_exits_cleanly(model_dir: Path) -> None:
+async def _own_core(config: EngineConfig) -> AsyncEngine:
+    return await AsyncEngine.start(config, in_process=False)
+
+
+async def _shared_core(config: EngineConfig) -> AsyncEngine:
+    engine, other_pipes = await start_shared_core(config, num_frontends=1)  # `--api-workers`' core
+    assert other_pipes == []
+    return engine
+
+
+@pytest.mark.parametrize("start", [_own_core, _shared_core], ids=["own-core", "shared-core"])
+async def test_idle_engine_shuts_down_fast_and_core_exits_cleanly(
+    model_dir: Path, start: Callable[[EngineConfig], Awaitable[AsyncEngine]]
+) -> None:
     config = EngineConfig(model=str(model_dir), max_num_seqs=4, num_kv_blocks=64, block_size=4)
-    engine = await AsyncEngine.start(config, in_process=False)
+    engine = await start(config)
     core_pid = engine.core_pid
     assert core_pid is not None
     process = engine._client._process  # the exit code is only visible to the parent's Process object

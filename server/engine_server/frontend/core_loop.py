@@ -72,11 +72,11 @@ def run_core_process(conn: Connection, config: EngineConfig, engine_factory: Eng
     # NOTE: Ctrl-C reaches the whole process group; the server decides how to stop (drain, then tell us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     run_core(conn, config, engine_factory)
-    _exit_without_teardown()
+    exit_without_teardown()
 
 
-def _exit_without_teardown() -> None:
-    """Ends the core process now, skipping the interpreter's teardown.
+def exit_without_teardown() -> None:
+    """Ends a core process (single or shared) now, skipping the interpreter's teardown.
 
     NOTE: with torch and transformers loaded, the final GC and module teardown take ~1 s of CPU on an idle
     machine (more on a busy one, up to `CoreClient.close`'s join budget, after which the core is killed) and

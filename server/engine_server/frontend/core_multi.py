@@ -24,6 +24,7 @@ from engine_server.engine.types import (
     EngineStats,
     RequestError,
 )
+from engine_server.frontend.core_loop import exit_without_teardown
 from engine_server.frontend.messages import (
     AbortCommand,
     AddCommand,
@@ -69,6 +70,7 @@ def run_multi_core_process(
     finally:
         for conn in conns:
             conn.close()
+    exit_without_teardown()
 
 
 class _MultiCoreLoop:
