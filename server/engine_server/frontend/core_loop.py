@@ -158,18 +158,20 @@ class _CoreLoop:
                 self._needs_step = True
                 engine.abort(command.request_ids)
             elif isinstance(command, EmbedCommand):
-                self._conn.send(self._embed(command))
+                self._conn.send(embed_reply(engine, command))
             elif isinstance(command, StatsCommand):
                 self._conn.send(CallReply(command.call_id, engine.stats()))
             else:  # ShutdownCommand
                 return False
         return True
 
-    def _embed(self, command: EmbedCommand) -> CallReply:
-        try:
-            vectors = self._engine.embed(command.inputs, normalize=command.normalize)
-        except Exception as exc:
-            if not isinstance(exc, (RequestError, EngineOverloaded)):
-                logger.exception("embed failed")
-            return CallReply(command.call_id, error=ErrorInfo.from_exception(exc))
-        return CallReply(command.call_id, vectors)
+
+def embed_reply(engine: EngineCore, command: EmbedCommand) -> CallReply:
+    """Runs an EmbedCommand; an error goes back in the reply (unexpected ones are logged here too)."""
+    try:
+        vectors = engine.embed(command.inputs, normalize=command.normalize)
+    except Exception as exc:
+        if not isinstance(exc, (RequestError, EngineOverloaded)):
+            logger.exception("embed failed")
+        return CallReply(command.call_id, error=ErrorInfo.from_exception(exc))
+    return CallReply(command.call_id, vectors)

@@ -24,7 +24,7 @@ from engine_server.engine.types import (
     EngineStats,
     RequestError,
 )
-from engine_server.frontend.core_loop import exit_without_teardown
+from engine_server.frontend.core_loop import embed_reply, exit_without_teardown
 from engine_server.frontend.messages import (
     AbortCommand,
     AddCommand,
@@ -127,12 +127,7 @@ class _MultiCoreLoop:
             elif isinstance(command, StatsCommand):
                 self._conns[index].send(CallReply(command.call_id, engine.stats()))
             elif isinstance(command, EmbedCommand):
-                try:
-                    vectors = engine.embed(command.inputs, normalize=command.normalize)
-                    reply = CallReply(command.call_id, vectors)
-                except Exception as exc:
-                    reply = CallReply(command.call_id, error=ErrorInfo.from_exception(exc))
-                self._conns[index].send(reply)
+                self._conns[index].send(embed_reply(engine, command))
             elif index == 0:  # ShutdownCommand from the primary: stop the core
                 self._is_stopping = True
                 return
