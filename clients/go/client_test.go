@@ -112,11 +112,7 @@ func TestAbortEndsStreamWithAbort(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case <-fake.started:
-	case <-ctx.Done():
-		t.Fatal("the request never reached the server")
-	}
+	waitStarted(ctx, t, fake)
 	ids, err := client.Abort(ctx, "slow-abort", "unknown")
 	if err != nil || !slices.Equal(ids, []string{"slow-abort"}) {
 		t.Fatalf("Abort = %v, %v", ids, err)
@@ -152,11 +148,7 @@ func TestCancelReachesServer(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			select {
-			case <-fake.started:
-			case <-ctx.Done():
-				t.Fatal("the request never reached the server")
-			}
+			waitStarted(ctx, t, fake)
 			tc.stop(cancel, stream)
 			if _, err := stream.Recv(); status.Code(err) != codes.Canceled {
 				t.Errorf("Recv after cancel = %v, want CANCELED", err)
@@ -322,5 +314,15 @@ func TestVersionsAgree(t *testing.T) {
 	want := "github.com/engine-project/engine/gen/go v" + engine.Version + "\n"
 	if !strings.Contains(string(goMod), want) {
 		t.Errorf("go.mod does not require %q", strings.TrimSpace(want))
+	}
+}
+
+// waitStarted returns once the fake has registered a request (so it can be aborted or cancelled).
+func waitStarted(ctx context.Context, t *testing.T, fake *fakeEngine) {
+	t.Helper()
+	select {
+	case <-fake.started:
+	case <-ctx.Done():
+		t.Fatal("the request never reached the server")
 	}
 }
