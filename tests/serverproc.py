@@ -111,7 +111,7 @@ class _Launch:
         self.workdir = Path(tempfile.mkdtemp(prefix="engine-server-"))
         self.ready = self.workdir / "ready.json"
         command = [*_command(), "--port", "0", "--ready-file", str(self.ready), *extra_args]
-        self.process = _spawner().submit(_popen, command, log_path=self.log_path, env=env).result()
+        self.process = spawn(command, log_path=self.log_path, env=env)
 
     @property
     def log_path(self) -> Path:
@@ -134,6 +134,13 @@ class _Launch:
         return RunningServer(
             self.process, port=int(info["port"]), workdir=self.workdir, metrics_port=info.get("metrics_port")
         )
+
+
+def spawn(
+    command: list[str], *, log_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start any test helper process (output to `log_path`) that must not outlive the test process."""
+    return _spawner().submit(_popen, command, log_path=log_path, env=env).result()
 
 
 def _popen(command: list[str], *, log_path: Path, env: dict[str, str] | None) -> subprocess.Popen[bytes]:

@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+from serverproc import spawn
 
 STARTUP_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 15.0
@@ -101,6 +102,5 @@ def start_gateway(worker_targets: list[str], *extra_args: str, policy: str = "ro
         "--shutdown-grace-period-secs", "1", "--log-level", "warn",
         *extra_args,
     ]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    process = spawn(command, log_path=log_path)  # SIGTERM if the test process dies: no orphaned gateway
     return RunningGateway(process, port=port, log_path=log_path)
