@@ -94,7 +94,7 @@ class CoreClient:
             process = ctx.Process(
                 target=run_core_process, args=(child, config, engine_factory), name="engine-core", daemon=True
             )
-            with _environment_defaults(_CORE_ENVIRONMENT):
+            with core_environment():
                 process.start()
             child.close()  # else the parent holds the child's end and never sees EOF when the core dies
         reader, writer = await _open_streams(parent)
@@ -188,6 +188,11 @@ class CoreClient:
         elif self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
         self._writer.close()
+
+
+def core_environment() -> contextlib.AbstractContextManager[None]:
+    """Around the start of any engine core process (own or shared): `_CORE_ENVIRONMENT`'s defaults."""
+    return _environment_defaults(_CORE_ENVIRONMENT)
 
 
 @contextlib.contextmanager

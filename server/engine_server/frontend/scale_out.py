@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from engine_server.frontend.async_engine import AsyncEngine
 from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
 from engine_server.frontend.core_multi import run_multi_core_process
-from engine_server.frontend.core_process import CoreClient, CoreGone, EngineLoadError
+from engine_server.frontend.core_process import CoreClient, CoreGone, EngineLoadError, core_environment
 from engine_server.frontend.messages import LoadFailed, Ready
 from engine_server.frontend.tokenizer import Tokenizer, TokenizerLoadError
 
@@ -58,7 +58,8 @@ async def start_shared_core(
     children = [child for _, child in pairs]
     process = ctx.Process(target=run_multi_core_process, args=(children, config, engine_factory),
                           name="engine-core", daemon=True)
-    process.start()
+    with core_environment():  # e.g. passive OpenMP waiting: see core_process.py
+        process.start()
     for _, child in pairs:
         child.close()  # else a frontend never sees EOF when the core dies
     try:
