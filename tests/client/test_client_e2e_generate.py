@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from client_servers import GreedyReference
 from engine_client import AsyncEngineClient, EngineClient, FinishReason, GenerateResult
 from serverproc import RunningServer
 
@@ -13,27 +12,18 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(engine_server: RunningServer) -> tuple[int, ...]:
-    with EngineClient(engine_server.target, timeout=60) as client:
-        return client.tokenize(PROMPT).token_ids
+def prompt_ids(reference: GreedyReference) -> tuple[int, ...]:
+    assert reference.max_tokens == MAX_TOKENS
+    return reference.prompt_ids
 
 
 @pytest.fixture(scope="module")
-def reference_ids(tiny_model_dir: Path, prompt_ids: tuple[int, ...]) -> list[int]:
-    """transformers' greedy continuation of the prompt: the ground truth the server must match."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    model.train(False)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([list(prompt_ids)]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                             pad_token_id=model.config.eos_token_id)
-    return [int(t) for t in out[0, len(prompt_ids):]]
+def reference_ids(reference: GreedyReference) -> list[int]:
+    return reference.output_ids
 
 
 async def test_async_streaming_greedy_equals_reference(
-    engine_server: RunningServer, prompt_ids: tuple[int, ...], reference_ids: list[int]
+    reference_ids: list[int], prompt_ids: tuple[int, ...], engine_server: RunningServer
 ) -> None:
     async with AsyncEngineClient(engine_server.target, timeout=60) as client:
         stream = client.generate(token_ids=prompt_ids, max_tokens=MAX_TOKENS, temperature=0.0)
@@ -53,8 +43,10 @@ def test_sync_non_streaming_greedy_equals_reference(engine_server: RunningServer
     with EngineClient(engine_server.target, timeout=60) as client:
         result = client.complete(token_ids=prompt_ids, max_tokens=MAX_TOKENS, temperature=0.0)
         by_text = client.complete(PROMPT, max_tokens=MAX_TOKENS, temperature=0.0)
+        by_ids = client.complete(token_ids=client.tokenize(PROMPT).token_ids, max_tokens=MAX_TOKENS,
+                                 temperature=0.0)
     assert list(result.token_ids) == reference_ids
-    assert by_text.token_ids == result.token_ids  # the server's tokenization is the one we fetched
+    assert by_text.token_ids == by_ids.token_ids  # text input = its tokenization
 
 
 def _check_n(result: GenerateResult, n: int, max_tokens: int) -> None:

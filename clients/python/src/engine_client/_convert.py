@@ -79,7 +79,7 @@ def chunks(resp: generate_pb2.GenerateResponse) -> list[GenerateChunk]:
             tuple(c.token_ids),
             c.text,
             logprobs(c.logprobs) if c.logprobs else None,
-            (_FINISH[reason] if reason < 4 else FinishReason.UNKNOWN) if reason else None,
+            finish_reason(reason) if reason else None,
             stop,
             final_usage if i == count - 1 else None,
             prompt_lps if i == 0 else None,

@@ -58,6 +58,8 @@ class EngineError(Exception):
 
     Attributes: ``code`` (a :class:`StatusCode`), ``message`` (the server's message), ``request_id`` (the
     Generate request's id, when the call was a Generate; else None).
+
+    Example: ``except EngineError as exc: log.warning("%s %s", exc.code.name, exc.message)``
     """
 
     code: StatusCode

@@ -32,6 +32,8 @@ class TLSConfig:
     """TLS for the connection. No CA file = the system's trust store; cert+key = mTLS client identity.
 
     ``server_name`` overrides the name the server's certificate is checked against (default: the target host).
+
+    Example: ``EngineClient("10.0.0.5:443", tls=TLSConfig(ca_file="ca.pem", server_name="engine.lan"))``
     """
 
     ca_file: str | os.PathLike[str] | None = None
@@ -61,6 +63,8 @@ class RetryPolicy:
 
     Unary calls are retried; a Generate is retried only when no response was received yet (it never silently
     re-runs a request that already streamed tokens). ``max_attempts=1`` disables retries.
+
+    Example: ``ConnectionOptions("host:50051", retry=RetryPolicy(max_attempts=5, initial_backoff=0.2))``
     """
 
     max_attempts: int = 3
@@ -93,13 +97,17 @@ class ConnectionOptions:
 
     ``timeout`` is the default per-call deadline in seconds (None = no deadline; a Generate stream counts as
     one call). Every method also takes ``timeout=`` to override it per call.
+
+    Example: ``AsyncEngineClient(ConnectionOptions("unix:/run/engine.sock", api_key="k", timeout=10.0))``
     """
 
     target: str = DEFAULT_TARGET
     tls: TLSConfig | None = None
     api_key: str | None = field(default=None, repr=False)
     timeout: float | None = None
-    keepalive_time: float | None = 60.0  # seconds between HTTP/2 PINGs on an idle connection; None = off
+    # Seconds between HTTP/2 PINGs on an idle connection; None = off. NOTE: off by default because servers
+    # with a ping policy (grpc-core's default minimum is 5 minutes) close connections that ping more often.
+    keepalive_time: float | None = None
     keepalive_timeout: float = 20.0  # seconds to wait for the PING's answer before closing the connection
     max_send_message_bytes: int = 16 * _MIB
     max_receive_message_bytes: int = 64 * _MIB

@@ -75,6 +75,8 @@ class GenerateParams:
 
     Only types and wire ranges (unsigned ints, finite floats) are checked here; the server checks the
     contract's value ranges and answers INVALID_ARGUMENT naming the field.
+
+    Example: ``client.complete(token_ids=ids, params=GenerateParams(max_tokens=16, temperature=0.0))``
     """
 
     # Stopping

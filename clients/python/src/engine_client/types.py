@@ -106,6 +106,8 @@ class GenerateChunk:
     ``finish_reason`` is None while the completion runs and set exactly once, in its last chunk; ``stop`` is
     the matched stop string (str) or stop token id (int) when it finished with STOP; ``usage`` is set only on
     the last chunk of the whole request; ``prompt_logprobs`` only on the first chunk, when asked for.
+
+    Example: ``text = "".join(c.text for c in client.generate("Hi", max_tokens=8) if c.index == 0)``
     """
 
     request_id: str
