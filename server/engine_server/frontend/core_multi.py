@@ -121,6 +121,12 @@ class _MultiCoreLoop:
                 except (RequestError, EngineOverloaded) as exc:
                     self._rejected.setdefault(index, []).append(
                         (request.request_id, ErrorInfo.from_exception(exc)))
+                except Exception as exc:
+                    # NOTE: like the single-frontend core: an unexpected admission failure fails that
+                    # request only, never the core every frontend shares.
+                    logger.exception("add_request(%s) failed", engine_id)
+                    self._rejected.setdefault(index, []).append(
+                        (request.request_id, ErrorInfo.from_exception(exc)))
             elif isinstance(command, AbortCommand):
                 self._needs_step = True
                 engine.abort([prefix + request_id for request_id in command.request_ids])
