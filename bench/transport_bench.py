@@ -1,8 +1,8 @@
 """Transport choice on the real engine: the same `AsyncEngine` (tiny model, core in its own process, 1 torch
 thread) served through (a) grpclib + `_pb2` (the shipped servicer), (b) grpclib + betterproto2, (c) grpcio.aio
 + `_pb2`, one at a time. The server process (and its engine core) is pinned to core 0, the load generator
-(`frontend_lib.loadgen`: grpclib + `_pb2`, one HTTP/2 connection) to core 1. A benchmark, not a test
-(tests/perf/test_transport_bench_smoke.py keeps it working).
+(`frontend_lib.loadgen`: grpclib + `_pb2` by default, one HTTP/2 connection) to core 1. A benchmark, not a
+test (tests/perf/test_transport_bench_smoke.py keeps it working).
 
 Per transport and concurrency: tokens/s, TTFT p50/p99, CPU microseconds per streamed chunk of the serving
 process alone (utime+stime from /proc/PID/stat) and of the engine core process, ratios vs (a).
@@ -50,9 +50,10 @@ async def serve(kind: str, model: str) -> None:
 
 # --- the driver -----------------------------------------------------------------------------------------
 
-def loadgen(port: int, *, concurrency: int, num_requests: int, tag: str) -> dict[str, Any]:
+def loadgen(port: int, *, concurrency: int, num_requests: int, tag: str, client: str) -> dict[str, Any]:
     cmd = ["taskset", "-c", "1", sys.executable, "-m", "frontend_lib.loadgen", "grpc", "--port", str(port),
-           "--concurrency", str(concurrency), "--num-requests", str(num_requests), "--tag", tag]
+           "--concurrency", str(concurrency), "--num-requests", str(num_requests), "--tag", tag,
+           "--grpc-client", client]
     out = subprocess.run(cmd, cwd=BENCH, capture_output=True, text=True, timeout=600, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"loadgen failed: {out.stderr[-2000:]}")
@@ -61,7 +62,7 @@ def loadgen(port: int, *, concurrency: int, num_requests: int, tag: str) -> dict
 
 
 def run_transport(
-    kind: str, *, model: str, concurrencies: tuple[int, ...], scale: int
+    kind: str, *, model: str, concurrencies: tuple[int, ...], scale: int, client: str
 ) -> list[dict[str, Any]]:
     cmd = ["taskset", "-c", "0", sys.executable, str(Path(__file__).resolve()), "--serve", kind,
            "--model", model]
@@ -71,12 +72,12 @@ def run_transport(
         assert proc.stdout is not None
         assert proc.stdin is not None
         info = json.loads(proc.stdout.readline())
-        loadgen(info["port"], concurrency=16, num_requests=32, tag=f"{kind}-warm")
+        loadgen(info["port"], concurrency=16, num_requests=32, tag=f"{kind}-warm", client=client)
         for concurrency in concurrencies:
             num_requests = max(32, scale * concurrency)
             server0, core0 = tree_cpu_seconds([info["pid"]]), tree_cpu_seconds([info["core_pid"]])
             row = loadgen(info["port"], concurrency=concurrency, num_requests=num_requests,
-                          tag=f"{kind}-{concurrency}")
+                          tag=f"{kind}-{concurrency}", client=client)
             server_s = tree_cpu_seconds([info["pid"]]) - server0
             core_s = tree_cpu_seconds([info["core_pid"]]) - core0
             row.update(transport=kind, concurrency=concurrency,
@@ -125,6 +126,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer requests per point (about a minute in all)")
     p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCIES))
     p.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS))
+    p.add_argument("--grpc-client", choices=("grpclib", "h2"), default="grpclib",
+                   help="load generator's client: grpclib + _pb2, or frontend_lib's raw HTTP/2 + _pb2")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = p.parse_args()
     if args.model is None:
@@ -144,7 +147,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for kind in args.transports:
         rows += run_transport(kind, model=args.model, concurrencies=tuple(args.concurrency),
-                              scale=1 if args.quick else 2)
+                              scale=1 if args.quick else 2, client=args.grpc_client)
     load_after = os.getloadavg()
     print(f"load average before {load_before[0]:.1f} {load_before[1]:.1f} {load_before[2]:.1f}, after "
           f"{load_after[0]:.1f} {load_after[1]:.1f} {load_after[2]:.1f}; "
