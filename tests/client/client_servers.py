@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -66,4 +65,3 @@ class ServerPool:
     plain: RunningServer
     secure: RunningServer
     embed: RunningServer | None
-    reference: Future[GreedyReference]  # computed while the servers start

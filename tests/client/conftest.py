@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +41,12 @@ def server_pool(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) 
     model = minilm_dir()
     if model is not None:
         per_server.append(("--model", str(model), "--in-process-engine"))
-    # The greedy reference (transformers) is computed on a thread while the servers start.
-    computing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="greedy-reference")
-    reference = computing.submit(greedy_reference, tiny_model_dir)
-    computing.shutdown(wait=False)
+    # NOTE: nothing else may run on another thread while the servers are forked: serverproc's preexec_fn runs
+    # Python in the child, which deadlocks if a thread held the import lock at fork time (seen with a
+    # transformers import on a thread). The greedy reference is computed after, by its own fixture.
     servers = start_servers(len(per_server), "--log-level", "warning", per_server_args=per_server)
     try:
-        yield ServerPool(certs, servers[0], servers[1], servers[2] if model is not None else None, reference)
+        yield ServerPool(certs, servers[0], servers[1], servers[2] if model is not None else None)
     finally:
         for server in servers:
             server.send_signal(signal.SIGTERM)  # all drain at once
@@ -63,8 +61,9 @@ def engine_server(server_pool: ServerPool) -> RunningServer:
 
 
 @pytest.fixture(scope="session")
-def reference(server_pool: ServerPool) -> GreedyReference:
-    return server_pool.reference.result()
+def reference(server_pool: ServerPool, tiny_model_dir: Path) -> GreedyReference:
+    """transformers' greedy output (after the servers started: see server_pool)."""
+    return greedy_reference(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")
