@@ -9,6 +9,7 @@ from any thread.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -26,18 +27,26 @@ STARTUP_TIMEOUT_S = 240.0  # first start may build the tiny model; two cores sha
 STOP_TIMEOUT_S = 60.0
 
 
+def _load_prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:  # not Linux / no glibc: best effort only
+        return None
+
+
+# NOTE: resolved here, in the parent: the child runs `_die_with_parent` between fork and exec, where an import
+# can deadlock on an import lock that another thread of the test process held at fork time.
+_PRCTL = _load_prctl()
+
+
 def _die_with_parent() -> None:
     """In the child before exec (Linux): SIGTERM when the test process dies, so no server is orphaned.
 
     NOTE: the kernel sends it when the *thread* that forked the child exits, not the process: hence every
     server is forked by `_spawner()`'s one thread, which lives as long as the test process.
     """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except OSError:  # not Linux / no glibc: best effort only
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 @functools.cache
