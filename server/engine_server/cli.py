@@ -65,6 +65,17 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def positive_int(text: str) -> int:
+    """An int >= 1, checked while parsing (before any model is resolved or loaded)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="engine-server",
@@ -127,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache size, e.g. 256MiB or 2GiB",
     )
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    engine.add_argument(
+        "--num-threads",
+        type=positive_int,
+        metavar="N",
+        help="torch CPU threads of the engine core (default: torch's, one per core; 1 is often fastest "
+        "when other processes share the cores)",
+    )
     engine.add_argument(
         "--in-process-engine",
         action="store_true",
@@ -275,6 +293,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
             kv_cache_memory_bytes=args.kv_cache_memory,
             max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching,
+            num_threads=args.num_threads,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -43,6 +43,7 @@ def test_help_exits_zero_and_lists_the_flags() -> None:
         (("--kv-cache-memory", "lots"), "not a size"),
         (("--tls-cert", "/nope.pem", "--tls-key", "/nope.key"), "no such file"),
         (("--api-key", "a", "--api-key-file", "/x"), "not both"),
+        (("--num-threads", "0"), "--num-threads: must be >= 1"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_two(args: tuple[str, ...], fragment: str) -> None:
@@ -81,6 +82,8 @@ def test_flags_reach_the_configs(tmp_path: Path) -> None:
             "1MiB",
             "--api-key",
             "k3y",
+            "--num-threads",
+            "1",
         ]
     )
     server, engine = build_configs(args)
@@ -88,3 +91,4 @@ def test_flags_reach_the_configs(tmp_path: Path) -> None:
     assert server.security.max_receive_message_size == 2**20
     assert server.security.api_key == "k3y"
     assert (engine.model, engine.max_num_seqs, engine.num_kv_blocks) == (str(tmp_path), 8, 64)
+    assert engine.num_threads == 1
