@@ -10,7 +10,7 @@ forms the next batch), and transformers' continuous batching (generate_batch, bu
 Reports generated tokens/s, TTFT and inter-token latency p50/p99, and ratios vs our engine.
 
 Usage: engine_bench.py [--models tiny-llama,bench-llama-30m] [--requests 64] [--output 64] [--threads 1]
-                       [--markdown FILE]
+                       [--dtype float32|bfloat16] [--markdown FILE]
 """
 
 from __future__ import annotations
@@ -97,9 +97,15 @@ class StepStamps:
         pass
 
 
-def run_engine(model_dir: Path, requests: list[Request], *, num_blocks: int) -> Result:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=num_blocks,
+def run_engine(model_dir: Path, requests: list[Request], *, num_blocks: int, dtype: str,
+               warm: list[Request]) -> Result:
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=num_blocks, dtype=dtype,
                                     max_num_batched_tokens=2048))
+    for i, r in enumerate(warm):  # untimed: kernel selection and allocator warm-up, as for every method
+        engine.add_request(EngineRequest(f"warm{i}", tuple(r.prompt), SamplingParams(
+            temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)))
+    while engine.has_unfinished():
+        engine.step()
     result = Result("engine")
     stamps: dict[str, list[float]] = {f"r{i}": [] for i in range(len(requests))}
     pending = list(enumerate(requests))
@@ -135,7 +141,8 @@ def _generate(model: Any, batch: list[Request]) -> list[float]:
     return streamer.times
 
 
-def run_sequential(model: Any, requests: list[Request]) -> Result:
+def run_sequential(model: Any, requests: list[Request], warm: list[Request]) -> Result:
+    _generate(model, warm[:1])
     result = Result("sequential generate")
     t0 = time.perf_counter()
     for r in requests:  # NOTE: all arrive at t0; each waits for the ones before it
@@ -145,8 +152,9 @@ def run_sequential(model: Any, requests: list[Request]) -> Result:
     return result
 
 
-def run_static(model: Any, requests: list[Request]) -> Result:
+def run_static(model: Any, requests: list[Request], warm: list[Request]) -> Result:
     """Padded static batching: everything that has arrived forms the next batch."""
+    _generate(model, warm)
     result = Result("padded generate")
     pending = list(requests)
     t0 = time.perf_counter()
@@ -164,7 +172,8 @@ def run_static(model: Any, requests: list[Request]) -> Result:
     return result
 
 
-def run_transformers_cb(model: Any, requests: list[Request], *, num_blocks: int) -> Result:
+def run_transformers_cb(model: Any, requests: list[Request], *, num_blocks: int,
+                        warm: list[Request]) -> Result:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -172,6 +181,8 @@ def run_transformers_cb(model: Any, requests: list[Request], *, num_blocks: int)
     gen = GenerationConfig(  # type: ignore[no-untyped-call]
         do_sample=False, max_new_tokens=max(r.max_tokens for r in requests), eos_token_id=-1, pad_token_id=2)
     cb = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=2048, page_size=16)
+    model.generate_batch([r.prompt for r in warm], generation_config=gen, continuous_batching_config=cb,
+                         warmup=False)
     t0 = time.perf_counter()
     outs = model.generate_batch([r.prompt for r in requests], generation_config=gen,
                                 continuous_batching_config=cb, record_timestamps=True, warmup=False)
@@ -186,19 +197,22 @@ def bench_model(name: str, args: argparse.Namespace) -> list[tuple[str, list[Res
 
     model_dir = cached_model_dir(name)
     model: Any = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), local_files_only=True, dtype=torch.float32, attn_implementation="sdpa")
+        str(model_dir), local_files_only=True, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
     model.eval()
     num_blocks = args.requests * (-(-(128 + 2 * args.output) // 16)) + 16  # everything fits: no preemption
     burst = workload(args.requests, output=args.output, staggered=False, gap_s=0)
+    # every method first runs these untimed (other prompts: no prefix-cache hits on the timed ones)
+    warm = workload(8, output=8, staggered=False, gap_s=0, seed=1)
     step_s = args.gap_ms / 1000 * (4 if "30m" in name else 1)
     staggered = workload(args.requests, output=args.output, staggered=True, gap_s=step_s)
     scenarios: list[tuple[str, list[Callable[[], Result]]]] = [
-        ("burst", [lambda: run_engine(model_dir, burst, num_blocks=num_blocks),
-                   lambda: run_sequential(model, burst[:args.sequential]),
-                   lambda: run_static(model, burst),
-                   lambda: run_transformers_cb(model, burst, num_blocks=num_blocks)]),
-        ("staggered", [lambda: run_engine(model_dir, staggered, num_blocks=num_blocks),
-                       lambda: run_static(model, staggered)]),
+        ("burst", [lambda: run_engine(model_dir, burst, num_blocks=num_blocks, dtype=args.dtype, warm=warm),
+                   lambda: run_sequential(model, burst[:args.sequential], warm),
+                   lambda: run_static(model, burst, warm),
+                   lambda: run_transformers_cb(model, burst, num_blocks=num_blocks, warm=warm)]),
+        ("staggered", [lambda: run_engine(model_dir, staggered, num_blocks=num_blocks, dtype=args.dtype,
+                                          warm=warm),
+                       lambda: run_static(model, staggered, warm)]),
     ]
     out = []
     for scenario, runs in scenarios:
@@ -235,6 +249,9 @@ def main() -> int:
     parser.add_argument("--gap-ms", type=float, default=20.0, help="staggered inter-arrival gap (tiny)")
     parser.add_argument("--markdown", type=Path, help="write the tables here")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, for every method alike")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="weights and activations, for every method alike (bfloat16 uses AMX/AVX512-BF16 "
+                             "matmuls where the CPU has them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -244,7 +261,7 @@ def main() -> int:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.machine())
     header = (f"Machine: {cpu}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; "
-              f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
+              f"{torch.get_num_threads()} torch thread(s), {args.dtype}, torch {torch.__version__}, "
               f"python {platform.python_version()}. Command: `{' '.join(sys.argv)}`\n\n"
               f"Sequential generate: the first {args.sequential} requests (tok/s is a per-request rate). "
               f"Ratios: our engine's tok/s over the method's.\n")
