@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine_proto.engine.v1 import embed_pb2, generate_pb2, info_pb2, tokenize_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceBase
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from engine_server.frontend.outputs import GenerateRequest
 
 logger = logging.getLogger(__name__)
+
+_Request = TypeVar("_Request")
 
 _STATE = {
     EngineState.STARTING: info_pb2.ENGINE_STATE_STARTING,
@@ -97,17 +99,30 @@ class EngineServicer(EngineServiceBase):
             raise EngineDead("the engine has failed; the server must be restarted")
         return engine
 
+    async def _receive(self, stream: Stream[_Request, Any], *, rpc: str) -> tuple[_Request, EngineHandle]:
+        """The request and the engine to serve it, or the status that refuses the call.
+
+        NOTE: reading stays outside the error mapping, so what `recv_message` raises (an oversized
+        message's RESOURCE_EXHAUSTED from api/security/limits.py, a dropped stream) reaches grpclib unchanged
+        rather than as INTERNAL; a server that cannot serve says UNAVAILABLE before the message is looked at.
+        """
+        msg = await stream.recv_message()
+        try:
+            engine = self._serving_engine()
+        except Exception as exc:
+            raise to_grpc_error(exc, rpc=rpc) from None
+        if msg is None:  # pragma: no cover - grpclib always delivers the unary request
+            raise GRPCError(Status.INVALID_ARGUMENT, "missing request message")
+        return msg, engine
+
     # --- Generate -----------------------------------------------------------------------------------
 
     async def Generate(
         self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse]
     ) -> None:
-        msg = await stream.recv_message()
-        if msg is None:  # pragma: no cover - grpclib always delivers the unary request
-            raise GRPCError(Status.INVALID_ARGUMENT, "missing request message")
+        msg, engine = await self._receive(stream, rpc="Generate")
         request_id = msg.request_id
         try:
-            engine = self._serving_engine()
             if self._num_streams >= self._max_streams:
                 raise ServerBusy(f"too many concurrent streams ({self._max_streams}); retry later")
             request = convert.to_generate_request(
@@ -190,11 +205,8 @@ class EngineServicer(EngineServiceBase):
         await stream.send_message(response)
 
     async def Embed(self, stream: Stream[embed_pb2.EmbedRequest, embed_pb2.EmbedResponse]) -> None:
-        msg = await stream.recv_message()
+        msg, engine = await self._receive(stream, rpc="Embed")
         try:
-            engine = self._serving_engine()
-            if msg is None:
-                raise GRPCError(Status.INVALID_ARGUMENT, "missing request message")
             batch = convert.embed_inputs(msg, tokenizer=engine.tokenizer, model_info=engine.model_info)
             normalize = msg.normalize if msg.HasField("normalize") else True
             vectors = await engine.embed(batch, normalize=normalize)
@@ -209,11 +221,8 @@ class EngineServicer(EngineServiceBase):
     async def Tokenize(
         self, stream: Stream[tokenize_pb2.TokenizeRequest, tokenize_pb2.TokenizeResponse]
     ) -> None:
-        msg = await stream.recv_message()
+        msg, engine = await self._receive(stream, rpc="Tokenize")
         try:
-            engine = self._serving_engine()
-            if msg is None:
-                raise GRPCError(Status.INVALID_ARGUMENT, "missing request message")
             token_ids, offsets = convert.tokenize_input(msg, tokenizer=engine.tokenizer)
         except Exception as exc:
             raise to_grpc_error(exc, rpc="Tokenize") from None
@@ -227,11 +236,8 @@ class EngineServicer(EngineServiceBase):
     async def Detokenize(
         self, stream: Stream[tokenize_pb2.DetokenizeRequest, tokenize_pb2.DetokenizeResponse]
     ) -> None:
-        msg = await stream.recv_message()
+        msg, engine = await self._receive(stream, rpc="Detokenize")
         try:
-            engine = self._serving_engine()
-            if msg is None:
-                raise GRPCError(Status.INVALID_ARGUMENT, "missing request message")
             ids, skip_special = convert.detokenize_ids(msg, vocab_size=engine.model_info.vocab_size)
             text = engine.tokenizer.decode(ids, skip_special_tokens=skip_special)
         except Exception as exc:
