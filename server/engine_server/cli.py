@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -76,6 +76,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+# NOTE: one convention for every numeric flag: N parses as an int, SECONDS as a float, SIZE as bytes.
+def _count(
+    group: argparse._ArgumentGroup, flag: str, *, default: int | None = None, help: str,
+    type: Callable[[str], int] = int,
+) -> None:
+    group.add_argument(flag, type=type, metavar="N", default=default, help=help)
+
+
+def _seconds(group: argparse._ArgumentGroup, flag: str, *, default: float, help: str) -> None:
+    group.add_argument(flag, type=float, metavar="SECONDS", default=default, help=help)
+
+
+def _size(group: argparse._ArgumentGroup, flag: str, *, default: str, help: str) -> None:
+    group.add_argument(flag, type=parse_size, metavar="SIZE", default=default, help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="engine-server",
@@ -108,40 +124,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "generate", "embed"),
         help="what the model serves (auto: from its architecture)",
     )
-    model.add_argument(
-        "--max-model-len", type=int, metavar="N", help="max prompt + output tokens (default: the model's)"
-    )
+    _count(model, "--max-model-len", help="max prompt + output tokens (default: the model's)")
 
     engine = p.add_argument_group("engine")
-    engine.add_argument(
-        "--max-num-seqs", type=int, metavar="N", default=256, help="sequences per engine step"
-    )
-    engine.add_argument(
-        "--max-num-batched-tokens", type=int, metavar="N", default=2048, help="tokens per engine step"
-    )
-    engine.add_argument(
-        "--max-waiting",
-        type=int,
-        metavar="N",
-        default=1024,
+    _count(engine, "--max-num-seqs", default=256, help="sequences per engine step")
+    _count(engine, "--max-num-batched-tokens", default=2048, help="tokens per engine step")
+    _count(
+        engine, "--max-waiting", default=1024,
         help="requests waiting for the scheduler; beyond: RESOURCE_EXHAUSTED",
     )
-    engine.add_argument("--block-size", type=int, metavar="N", default=16, help="tokens per KV cache block")
-    engine.add_argument(
-        "--num-kv-blocks", type=int, metavar="N", help="KV cache blocks (default: from --kv-cache-memory)"
-    )
-    engine.add_argument(
-        "--kv-cache-memory",
-        type=parse_size,
-        metavar="SIZE",
-        default="256MiB",
-        help="KV cache size, e.g. 256MiB or 2GiB",
-    )
+    _count(engine, "--block-size", default=16, help="tokens per KV cache block")
+    _count(engine, "--num-kv-blocks", help="KV cache blocks (default: from --kv-cache-memory)")
+    _size(engine, "--kv-cache-memory", default="256MiB", help="KV cache size, e.g. 256MiB or 2GiB")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    engine.add_argument(
-        "--num-threads",
-        type=positive_int,
-        metavar="N",
+    _count(
+        engine, "--num-threads", type=positive_int,
         help="torch CPU threads of the engine core (default: torch's, one per core; 1 is often fastest "
         "when other processes share the cores)",
     )
@@ -152,11 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Hidden (benchmarks): a simulated engine core with a fixed step time, no model (engine/simulated.py).
     engine.add_argument("--simulated-engine", type=float, metavar="STEP_MS", help=argparse.SUPPRESS)
-    engine.add_argument(
-        "--api-workers",
-        type=int,
-        metavar="N",
-        default=1,
+    _count(
+        engine, "--api-workers", default=1,
         help="gRPC frontend processes sharing the port (SO_REUSEPORT) over one engine core process",
     )
 
@@ -164,36 +158,22 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (0.0.0.0: every interface)"
     )
-    net.add_argument(
-        "--port", type=int, metavar="N", default=50051, help="port (0: any free port; see --ready-file)"
-    )
-    net.add_argument(
-        "--max-concurrent-streams",
-        type=int,
-        metavar="N",
-        default=1024,
+    _count(net, "--port", default=50051, help="port (0: any free port; see --ready-file)")
+    _count(
+        net, "--max-concurrent-streams", default=1024,
         help="Generate streams in flight (server-wide, and per HTTP/2 connection); beyond: "
         "RESOURCE_EXHAUSTED",
     )
-    net.add_argument(
-        "--max-receive-message-size",
-        type=parse_size,
-        metavar="SIZE",
-        default="4MiB",
+    _size(
+        net, "--max-receive-message-size", default="4MiB",
         help="largest request message; larger: RESOURCE_EXHAUSTED",
     )
-    net.add_argument(
-        "--keepalive-time",
-        type=float,
-        metavar="SECONDS",
-        default=60.0,
+    _seconds(
+        net, "--keepalive-time", default=60.0,
         help="seconds of silence before the server pings a connection with calls in flight",
     )
-    net.add_argument(
-        "--keepalive-timeout",
-        type=float,
-        metavar="SECONDS",
-        default=20.0,
+    _seconds(
+        net, "--keepalive-timeout", default=20.0,
         help="seconds to wait for the ping's answer before closing the connection",
     )
     net.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
@@ -213,16 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     ops = p.add_argument_group("operations")
-    ops.add_argument(
-        "--drain-timeout",
-        type=float,
-        metavar="SECONDS",
-        default=30.0,
+    _seconds(
+        ops, "--drain-timeout", default=30.0,
         help="seconds in-flight streams get to finish on SIGTERM before they are aborted",
     )
-    ops.add_argument(
-        "--metrics-port", type=int, metavar="N", help="serve Prometheus metrics on this port (default: off)"
-    )
+    _count(ops, "--metrics-port", help="serve Prometheus metrics on this port (default: off)")
     ops.add_argument(
         "--ready-file",
         metavar="PATH",
