@@ -39,25 +39,13 @@ func build(req *enginev1.GenerateRequest, opts []RequestOption) *enginev1.Genera
 	return req
 }
 
-func sampling(r *enginev1.GenerateRequest) *enginev1.SamplingParams {
-	if r.Sampling == nil {
-		r.Sampling = &enginev1.SamplingParams{}
+// ensure returns the sub-message *field points to, first setting it to an empty one when unset, so an
+// option fills only its own field of Sampling, Stopping or Output.
+func ensure[M any](field **M) *M {
+	if *field == nil {
+		*field = new(M)
 	}
-	return r.Sampling
-}
-
-func stopping(r *enginev1.GenerateRequest) *enginev1.StoppingCriteria {
-	if r.Stopping == nil {
-		r.Stopping = &enginev1.StoppingCriteria{}
-	}
-	return r.Stopping
-}
-
-func output(r *enginev1.GenerateRequest) *enginev1.OutputOptions {
-	if r.Output == nil {
-		r.Output = &enginev1.OutputOptions{}
-	}
-	return r.Output
+	return *field
 }
 
 // RequestID sets the client-chosen request id (used by Abort).
@@ -77,7 +65,7 @@ func AddSpecialTokens(on bool) RequestOption {
 
 // Temperature sets the softmax temperature (0: greedy).
 func Temperature(t float32) RequestOption {
-	return func(r *enginev1.GenerateRequest) { sampling(r).Temperature = proto.Float32(t) }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Sampling).Temperature = proto.Float32(t) }
 }
 
 // Greedy picks the most likely token at every step (temperature 0).
@@ -85,82 +73,86 @@ func Greedy() RequestOption { return Temperature(0) }
 
 // TopP sets nucleus sampling's probability mass, in (0, 1].
 func TopP(p float32) RequestOption {
-	return func(r *enginev1.GenerateRequest) { sampling(r).TopP = proto.Float32(p) }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Sampling).TopP = proto.Float32(p) }
 }
 
 // TopK keeps only the k most likely tokens (0: off).
 func TopK(k uint32) RequestOption {
-	return func(r *enginev1.GenerateRequest) { sampling(r).TopK = proto.Uint32(k) }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Sampling).TopK = proto.Uint32(k) }
 }
 
 // MinP drops tokens below p times the most likely token's probability.
 func MinP(p float32) RequestOption {
-	return func(r *enginev1.GenerateRequest) { sampling(r).MinP = proto.Float32(p) }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Sampling).MinP = proto.Float32(p) }
 }
 
 // RepetitionPenalty sets the multiplicative penalty on tokens already seen (1: off).
 func RepetitionPenalty(p float32) RequestOption {
-	return func(r *enginev1.GenerateRequest) { sampling(r).RepetitionPenalty = proto.Float32(p) }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Sampling).RepetitionPenalty = proto.Float32(p) }
 }
 
 // PresencePenalty sets the penalty subtracted once from every generated token's logit, in [-2, 2].
 func PresencePenalty(p float32) RequestOption {
-	return func(r *enginev1.GenerateRequest) { sampling(r).PresencePenalty = proto.Float32(p) }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Sampling).PresencePenalty = proto.Float32(p) }
 }
 
 // FrequencyPenalty sets the penalty subtracted per occurrence of a generated token, in [-2, 2].
 func FrequencyPenalty(p float32) RequestOption {
-	return func(r *enginev1.GenerateRequest) { sampling(r).FrequencyPenalty = proto.Float32(p) }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Sampling).FrequencyPenalty = proto.Float32(p) }
 }
 
 // Seed makes sampling reproducible.
 func Seed(seed uint64) RequestOption {
-	return func(r *enginev1.GenerateRequest) { sampling(r).Seed = proto.Uint64(seed) }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Sampling).Seed = proto.Uint64(seed) }
 }
 
 // N asks for n completions of the prompt (1 to 16).
 func N(n uint32) RequestOption {
-	return func(r *enginev1.GenerateRequest) { sampling(r).N = proto.Uint32(n) }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Sampling).N = proto.Uint32(n) }
 }
 
 // MaxTokens bounds the tokens generated per completion.
 func MaxTokens(n uint32) RequestOption {
-	return func(r *enginev1.GenerateRequest) { stopping(r).MaxTokens = proto.Uint32(n) }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Stopping).MaxTokens = proto.Uint32(n) }
 }
 
 // MinTokens ignores end-of-sequence and stop tokens until n tokens were generated.
 func MinTokens(n uint32) RequestOption {
-	return func(r *enginev1.GenerateRequest) { stopping(r).MinTokens = n }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Stopping).MinTokens = n }
 }
 
 // StopStrings ends a completion when its text contains one of the strings.
 func StopStrings(stop ...string) RequestOption {
-	return func(r *enginev1.GenerateRequest) { stopping(r).Stop = append(stopping(r).Stop, stop...) }
+	return func(r *enginev1.GenerateRequest) {
+		s := ensure(&r.Stopping)
+		s.Stop = append(s.Stop, stop...)
+	}
 }
 
 // StopTokenIDs ends a completion after one of the token ids.
 func StopTokenIDs(ids ...uint32) RequestOption {
 	return func(r *enginev1.GenerateRequest) {
-		stopping(r).StopTokenIds = append(stopping(r).StopTokenIds, ids...)
+		s := ensure(&r.Stopping)
+		s.StopTokenIds = append(s.StopTokenIds, ids...)
 	}
 }
 
 // IgnoreEOS keeps generating past the end-of-sequence token (until max tokens or a stop condition).
 func IgnoreEOS() RequestOption {
-	return func(r *enginev1.GenerateRequest) { stopping(r).IgnoreEos = true }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Stopping).IgnoreEos = true }
 }
 
 // Logprobs returns each sampled token's log-probability with k alternatives (0 to 20).
 func Logprobs(k uint32) RequestOption {
-	return func(r *enginev1.GenerateRequest) { output(r).Logprobs = proto.Uint32(k) }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Output).Logprobs = proto.Uint32(k) }
 }
 
 // PromptLogprobs returns the prompt tokens' log-probabilities with k alternatives (0 to 20).
 func PromptLogprobs(k uint32) RequestOption {
-	return func(r *enginev1.GenerateRequest) { output(r).PromptLogprobs = proto.Uint32(k) }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Output).PromptLogprobs = proto.Uint32(k) }
 }
 
 // ReturnText chooses whether responses carry text beside the token ids (default: true).
 func ReturnText(on bool) RequestOption {
-	return func(r *enginev1.GenerateRequest) { output(r).ReturnText = proto.Bool(on) }
+	return func(r *enginev1.GenerateRequest) { ensure(&r.Output).ReturnText = proto.Bool(on) }
 }
