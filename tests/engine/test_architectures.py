@@ -31,13 +31,28 @@ def _build(name: str, out_dir: Path) -> None:
         # a sliding window much shorter than the prompts (prefill chunks and decodes both windowed)
         "mistral-window": (tf.MistralForCausalLM, tf.MistralConfig(num_key_value_heads=2, sliding_window=8,
                                                                    **llama_like)),
+        # attention logit soft-capping, alternating sliding-window (8) and full layers, grouped-query
+        # attention. The cap (2.0) is about the random weights' attention logits, so it changes the outputs;
+        # untied: with the (sqrt(hidden)-scaled) input embeddings as the head, every output repeats its input.
+        "gemma2": (tf.Gemma2ForCausalLM, tf.Gemma2Config(
+            num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+            attn_logit_softcapping=2.0, final_logit_softcapping=5.0, tie_word_embeddings=False,
+            **llama_like)),
     }
     cls, config = models[name]
     torch.manual_seed(0)
     cls(config).save_pretrained(str(out_dir))
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gpt2", "gemma", "mistral-window"])
+@torch.inference_mode()
+def _reference(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    # min_new_tokens: like ignore_eos, the reference never stops early
+    return [model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
+                           min_new_tokens=max_tokens, pad_token_id=0)[0, len(prompt):].tolist()
+            for prompt in prompts]
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gpt2", "gemma", "mistral-window", "gemma2"])
 def test_greedy_matches_generate(name: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -45,13 +60,21 @@ def test_greedy_matches_generate(name: str, tmp_path: Path) -> None:
     engine = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_num_batched_tokens=32))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 50))] for _ in range(6)]
+    # A prompt longer than the step's token budget first (a chunked prefill), and one sharing its first two
+    # blocks last (admitted steps later: a prefix-cache hit).
+    prompts.insert(0, [rng.randrange(3, 500) for _ in range(40)])
+    prompts.append(prompts[0][:32] + [rng.randrange(3, 500) for _ in range(5)])
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     got = run(engine, [EngineRequest(f"r{i}", tuple(p), params) for i, p in enumerate(prompts)], per_step=2)
-    ref: Any = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="sdpa")
+    assert engine.stats().num_prefix_cache_hit_tokens >= 32
+    # Gemma2's soft-capping exists in transformers' eager attention only (its sdpa path has none).
+    implementation = "eager" if name == "gemma2" else "sdpa"
+    ref: Any = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation=implementation)
     ref.eval()
-    for i, prompt in enumerate(prompts):
-        with torch.inference_mode():
-            # min_new_tokens: like ignore_eos, the reference never stops early
-            want = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, min_new_tokens=10,
-                                pad_token_id=0)[0, len(prompt):].tolist()
-        assert got.tokens[(f"r{i}", 0)] == want, f"{name} request {i}"
+    want = _reference(ref, prompts, 10)
+    for i in range(len(prompts)):
+        assert got.tokens[(f"r{i}", 0)] == want[i], f"{name} request {i}"
+    if name == "gemma2":  # the cap must change these outputs, or the test above proves nothing about it
+        for layer in ref.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        assert _reference(ref, prompts, 10) != want

@@ -9,7 +9,8 @@ Each layer first writes this step's K/V into the paged cache (slot mapping), the
 Unlike a block-diagonal mask over the whole batch, the cost stays linear in the batch size.
 
 Sliding windows (the `sliding_window` kwarg of Mistral, Qwen2, Gemma2/3 layers) are applied as
-an extra mask. Not supported: attention logit soft-capping (Gemma2); such models run, inexactly.
+an extra mask. Attention logit soft-capping (the `softcap` kwarg of Gemma2 layers) has no SDPA
+form: with it, the same calls run through `_softcapped_attention` (explicit scores, float32 softmax).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def paged_attention_forward(
     num_heads, num_tokens = query.shape[1], query.shape[2]
     window = kwargs.get("sliding_window")
     window = int(window) if isinstance(window, int) and window > 0 else None
+    softcap = kwargs.get("softcap")
+    softcap = float(softcap) if isinstance(softcap, (int, float)) and softcap > 0 else None
     gqa = num_heads != num_kv_heads
     out = query.new_empty(num_tokens, num_heads, head_dim)
     k_blocks = k_cache.view(num_blocks, -1)
@@ -94,32 +97,32 @@ def paged_attention_forward(
             key_pos = torch.arange(mask.shape[-1], device=mask.device)
             old = key_pos[None, :] <= (group.context_lens - 1 - window)[:, None]
             mask = mask.masked_fill(old[:, None, None, :], float("-inf"))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+        o = _attention(q, k, v, mask, scaling=scaling, softcap=softcap)
         out[group.q_start:group.q_end] = o.reshape(n, num_heads, head_dim)
     # 3) prefill chunks, one sequence at a time
     for chunk in meta.prefills:
         q = query[:, :, chunk.q_start:chunk.q_end]
         if window is not None and window < chunk.context_len:
             _prefill_with_window(out, q, k_blocks, v_blocks, chunk, key, value, window=window,
-                                 scaling=scaling, gqa=gqa)
+                                 scaling=scaling, softcap=softcap, gqa=gqa)
             continue
         if chunk.context_blocks is None:
             k = key[:, :, chunk.q_start:chunk.q_end]
             v = value[:, :, chunk.q_start:chunk.q_end]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+            o = _attention(q, k, v, None, scaling=scaling, softcap=softcap, gqa=gqa)
         else:
             ctx = chunk.context_len
             k = k_blocks.index_select(0, chunk.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
             v = v_blocks.index_select(0, chunk.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scaling, enable_gqa=gqa)
+            o = _attention(q, k, v, chunk.mask, scaling=scaling, softcap=softcap, gqa=gqa)
         out[chunk.q_start:chunk.q_end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
 
 def _prefill_with_window(out: torch.Tensor, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                          chunk: PrefillChunk, key: torch.Tensor, value: torch.Tensor, *, window: int,
-                         scaling: float | None, gqa: bool) -> None:
+                         scaling: float | None, softcap: float | None, gqa: bool) -> None:
     """A prefill chunk whose context is longer than the sliding window: causal AND windowed mask."""
     ctx = chunk.context_len
     num_new = chunk.q_end - chunk.q_start
@@ -134,8 +137,37 @@ def _prefill_with_window(out: torch.Tensor, q: torch.Tensor, k_blocks: torch.Ten
     query_pos = torch.arange(ctx - num_new, ctx, device=q.device)[:, None]
     key_pos = torch.arange(ctx, device=q.device)[None, :]
     mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    o = _attention(q, k, v, mask, scaling=scaling, softcap=softcap, gqa=gqa)
     out[chunk.q_start:chunk.q_end] = o[0].transpose(0, 1)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+               scaling: float | None, softcap: float | None, gqa: bool = False) -> torch.Tensor:
+    """One attention call. `mask`: bool (True attends) or additive; None: causal (q_len == k_len)."""
+    if softcap is not None:
+        return _softcapped_attention(q, k, v, mask, scaling=scaling, softcap=softcap)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+                          scaling: float | None, softcap: float) -> torch.Tensor:
+    """Attention with Gemma2's logit soft-capping, as transformers' eager attention computes it (but in
+    float32 from the scores on, not only the softmax).
+
+    q: [..., heads, q_len, d]; k, v: [..., kv_heads, k_len, d], where query head h*g+j uses kv head h.
+    """
+    num_groups = q.shape[-3] // k.shape[-3]
+    if num_groups > 1:
+        k, v = k.repeat_interleave(num_groups, dim=-3), v.repeat_interleave(num_groups, dim=-3)
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = (q @ k.transpose(-1, -2) * scale).float()
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.softmax(scores, dim=-1).to(v.dtype) @ v
 
 
 def register_paged_attention() -> str:
