@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping, Sequence
 
 from engine_proto.engine.v1 import embed_pb2, generate_pb2, tokenize_pb2
 
-from .params import GenerateParams
+from .params import GenerateParams, merge_params
 
 ChatMessage = Mapping[str, str]
 
@@ -102,6 +103,26 @@ def build_generate_request(
         if p.skip_special_tokens is not None:
             o.skip_special_tokens = p.skip_special_tokens
     return req
+
+
+def build_generate_call(
+    prompt: str | None,
+    *,
+    token_ids: Sequence[int] | None,
+    messages: Sequence[ChatMessage] | None,
+    request_id: str | None,
+    stream: bool,
+    params: GenerateParams | None,
+    options: Mapping[str, object],
+) -> tuple[str, generate_pb2.GenerateRequest]:
+    """The arguments of ``generate`` (both clients) -> (request id, request).
+
+    ``request_id`` defaults to a fresh uuid4 hex; keyword ``options`` override ``params`` knob by knob.
+    """
+    rid = request_id if request_id is not None else uuid.uuid4().hex
+    request = build_generate_request(prompt, token_ids=token_ids, messages=messages, request_id=rid,
+                                     stream=stream, params=merge_params(params, options))
+    return rid, request
 
 
 EmbedInput = str | Sequence[int]

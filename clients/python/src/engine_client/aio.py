@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
@@ -25,12 +24,12 @@ from ._requests import (
     build_abort_request,
     build_detokenize_request,
     build_embed_request,
-    build_generate_request,
+    build_generate_call,
     build_tokenize_request,
 )
 from .errors import UnavailableError
 from .options import DEFAULT_TARGET, ConnectionOptions, TLSConfig, fits, remaining, with_overrides
-from .params import GenerateOptions, GenerateParams, merge_params
+from .params import GenerateOptions, GenerateParams
 from .types import (
     EmbedResult,
     GenerateChunk,
@@ -169,9 +168,9 @@ class AsyncEngineClient:
         Knobs are keywords (see :class:`GenerateParams`); None leaves a knob at the server's default.
         ``request_id`` defaults to a fresh uuid4 hex, available as ``stream.request_id`` at once.
         """
-        rid = request_id if request_id is not None else uuid.uuid4().hex
-        request = build_generate_request(prompt, token_ids=token_ids, messages=messages, request_id=rid,
-                                         stream=stream, params=merge_params(params, options))
+        rid, request = build_generate_call(prompt, token_ids=token_ids, messages=messages,
+                                           request_id=request_id, stream=stream, params=params,
+                                           options=options)
         return AsyncGenerateStream(self._generate(request, rid, timeout), rid)
 
     async def _generate(self, request: object, request_id: str, timeout: float | None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
@@ -21,13 +20,13 @@ from ._requests import (
     build_abort_request,
     build_detokenize_request,
     build_embed_request,
-    build_generate_request,
+    build_generate_call,
     build_tokenize_request,
 )
 from ._sync_transport import open_channel, translate
 from .errors import UnavailableError
 from .options import DEFAULT_TARGET, ConnectionOptions, TLSConfig, fits, remaining, with_overrides
-from .params import GenerateOptions, GenerateParams, merge_params
+from .params import GenerateOptions, GenerateParams
 from .types import (
     EmbedResult,
     GenerateChunk,
@@ -156,9 +155,9 @@ class EngineClient:
         Knobs are keywords (see :class:`GenerateParams`); None leaves a knob at the server's default.
         ``request_id`` defaults to a fresh uuid4 hex, available as ``stream.request_id`` at once.
         """
-        rid = request_id if request_id is not None else uuid.uuid4().hex
-        request = build_generate_request(prompt, token_ids=token_ids, messages=messages, request_id=rid,
-                                         stream=stream, params=merge_params(params, options))
+        rid, request = build_generate_call(prompt, token_ids=token_ids, messages=messages,
+                                           request_id=request_id, stream=stream, params=params,
+                                           options=options)
         return GenerateStream(self._generate(request, rid, timeout), rid)
 
     def _generate(self, request: generate_pb2.GenerateRequest, request_id: str, timeout: float | None
