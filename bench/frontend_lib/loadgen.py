@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
+from pathlib import Path
 
 from engine_proto.engine.v1 import generate_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
@@ -149,6 +151,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
             channel.close()
         if conn is not None:
             conn.close()
+    if args.trace_out:  # one line per request, in send order: send time (s from start), TTFT ms, messages
+        start = min(t.sent for t in traces)
+        lines = []
+        for t in sorted(traces, key=lambda t: t.sent):
+            first = next((a for a, n in t.arrivals if n > 0), math.nan)
+            lines.append(f"{t.sent - start:.4f} {(first - t.sent) * 1e3:.2f} {len(t.arrivals)}\n")
+        Path(args.trace_out).write_text("".join(lines))  # after the run: blocking is fine
     return summarize(traces, wall_s=wall_s, client_cpu_s=cpu_s).to_json()
 
 
@@ -163,6 +172,7 @@ def main() -> None:
     p.add_argument("--output", type=int, default=100)
     p.add_argument("--tag", default="bench")
     p.add_argument("--grpc-client", choices=("h2", "grpclib"), default="h2")
+    p.add_argument("--trace-out", default=None, help="write each request's send time and TTFT here")
     args = p.parse_args()
     import uvloop
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from engine_server.api.server import EngineServer, EngineStarter, default_engine_starter
 from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
+from engine_server.gc_policy import freeze_startup_heap
 
 if TYPE_CHECKING:
     from engine_server.api.config import ServerConfig
@@ -62,6 +63,7 @@ async def serve(
         print(f"engine-server: error: {exc}", file=sys.stderr)
         await server.close()
         return 1
+    freeze_startup_heap()
     await stopping
     draining = asyncio.create_task(server.drain())
     forced = asyncio.create_task(force.wait())

@@ -150,6 +150,7 @@ def worker_main(spec: WorkerSpec, core_conn: Connection, status: Connection) -> 
 async def _serve_worker(spec: WorkerSpec, core_conn: Connection, status: Connection) -> None:
     from engine_server.api.server import EngineServer
     from engine_server.frontend.scale_out import attach_engine
+    from engine_server.gc_policy import freeze_startup_heap
 
     config = dataclasses.replace(spec.server_config, port=spec.port, ready_file=None, metrics_port=None)
 
@@ -164,6 +165,7 @@ async def _serve_worker(spec: WorkerSpec, core_conn: Connection, status: Connect
     except BaseException:
         await server.close()
         raise
+    freeze_startup_heap()
     status.send("ready")
     await stop.wait()
     await server.drain()
