@@ -58,6 +58,64 @@ def test_abort_running_waiting_and_prefilling_requests_frees_every_block(model_d
     assert engine.step() == []
 
 
+def test_aborting_one_completion_frees_only_its_own_blocks(model_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_num_batched_tokens=64))
+    block_manager = engine.block_manager
+    free_at_start = block_manager.num_free_blocks
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=30, ignore_eos=True)
+    engine.add_request(EngineRequest("n3", _prompt(5, 40), params))  # 2 full prompt blocks, shared
+    out = Collected()
+    while len(out.tokens[("n3", 1)]) < 12:  # 52 tokens: 2 shared blocks and 2 of its own
+        out.add(engine.step())
+    seqs = {seq.index: seq for seq in engine.scheduler.running}
+    assert sorted(seqs) == [0, 1, 2]
+    table = list(seqs[1].block_table)
+    shared = [block for block in table if block_manager.ref_counts[block] > 1]
+    own = [block for block in table if block_manager.ref_counts[block] == 1]
+    assert (len(shared), len(own)) == (2, 2)
+    sizes = {index: len(seqs[index].block_table) for index in (0, 2)}
+    free_before = block_manager.num_free_blocks
+    assert engine.abort_completions([("n3", 1), ("n3", 3), ("missing", 0)]) == [("n3", 1)]
+    assert engine.abort_completions([("n3", 1)]) == []  # already being aborted
+    deltas = engine.step()
+    out.add(deltas)
+    assert {(d.index, d.finish_reason) for d in deltas} == {(0, None), (1, FinishReason.ABORT), (2, None)}
+    grown = sum(len(seqs[index].block_table) - sizes[index] for index in (0, 2))
+    assert block_manager.num_free_blocks == free_before + len(own) - grown
+    assert all(block in block_manager.free_block_ids for block in own)
+    assert all(block_manager.ref_counts[block] == 2 for block in shared)  # still held by 0 and 2
+    assert [seq.index for seq in engine.scheduler.running] == [0, 2]
+    while engine.has_unfinished():
+        out.add(engine.step())
+    assert out.finish == {("n3", 0): FinishReason.LENGTH, ("n3", 1): FinishReason.ABORT,
+                          ("n3", 2): FinishReason.LENGTH}
+    assert (len(out.tokens[("n3", 0)]), len(out.tokens[("n3", 1)]), len(out.tokens[("n3", 2)])) == (30, 12, 30)
+    assert block_manager.num_free_blocks == free_at_start
+    assert engine.abort_completions([("n3", 0)]) == []  # finished: nothing to abort
+
+
+def test_completions_aborted_before_the_fork(model_dir: Path, ref_model: Any) -> None:
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_num_batched_tokens=16))
+    free_at_start = engine.stats().num_free_blocks
+    prompt = _prompt(8, 40)  # three chunks at 16 tokens a step
+    engine.add_request(EngineRequest("two", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=12)))
+    engine.add_request(EngineRequest("all", _prompt(9, 10), SamplingParams(n=2, max_tokens=12)))
+    # Index 0 of "two" computes the prompt for index 1 (still wanted), so it ends only after the fork;
+    # index 2 does not exist yet. Every completion of "all" goes, index 0 with nothing left to fork.
+    aborted = engine.abort_completions([("two", 0), ("two", 2), ("all", 0), ("all", 1)])
+    assert aborted == [("two", 0), ("two", 2), ("all", 0), ("all", 1)]
+    out = Collected()
+    out.add(engine.step())
+    assert set(out.finish) == {("two", 2), ("all", 0), ("all", 1)}
+    assert engine.stats().num_running == 1  # "two" index 0, prefilling
+    while engine.has_unfinished():
+        out.add(engine.step())
+    assert out.finish[("two", 0)] is FinishReason.ABORT
+    assert out.tokens[("two", 0)] == out.tokens[("two", 2)] == []
+    want = reference_greedy(ref_model, [list(prompt)], [12], eos_id=1)[0]
+    assert out.tokens[("two", 1)] == want
+    assert engine.stats().num_free_blocks == free_at_start
+
 
 INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("empty prompt", {"prompt": ()}, "prompt_token_ids"),

@@ -6,6 +6,9 @@ Failure injection: a request whose id starts with "crash" makes the next step() 
 starts with "boom" makes add_request raise a RuntimeError (a core bug hit by one request). One whose id
 starts with "fail" ends with FinishReason.ERROR at its first step (the core lives on). One whose id
 starts with "hold" never finishes on its own: after max_tokens it stays running, silent, until aborted.
+One whose id starts with "gate" (n > 1; after the shared core's "i/" prefix too) runs its completion 0
+alone, holding like "hold", until that completion is aborted (`abort_completions`); then completion i
+echoes the prompt rotated by i tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ class _Seq:
     is_first: bool = True
 
 
+def _is_gate(request_id: str) -> bool:
+    return request_id.rpartition("/")[2].startswith("gate")
+
+
 def fake_validate(request: EngineRequest, info: ModelInfo) -> None:
     if not request.prompt_token_ids:
         raise RequestError("prompt_token_ids", "must not be empty")
@@ -66,6 +73,7 @@ class FakeCore:
         self._remaining: dict[str, int] = {}  # request id -> unfinished sequences
         self._free_blocks = NUM_BLOCKS
         self._crash = False
+        self.aborted_completions: list[tuple[str, int]] = []  # what abort_completions found, in order
 
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self._remaining:
@@ -87,6 +95,17 @@ class FakeCore:
             queue[:] = [seq for seq in queue if seq.request.request_id not in wanted]
         return sorted(wanted)
 
+    def abort_completions(self, completions: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+        wanted = set(completions)
+        found: list[tuple[str, int]] = []
+        for queue in (self._running, self._waiting):
+            hit = [seq for seq in queue if (seq.request.request_id, seq.index) in wanted]
+            self._aborted.extend(hit)
+            found.extend((seq.request.request_id, seq.index) for seq in hit)
+            queue[:] = [seq for seq in queue if (seq.request.request_id, seq.index) not in wanted]
+        self.aborted_completions.extend(found)
+        return found
+
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting or self._aborted)
 
@@ -100,11 +119,17 @@ class FakeCore:
         while self._waiting and len(self._running) < self._config.max_num_seqs:
             self._running.append(self._waiting.pop(0))
         still_running = []
+        gated = {seq.request.request_id for seq in self._running
+                 if seq.index == 0 and _is_gate(seq.request.request_id)}
         for seq in self._running:
             request = seq.request
             prompt = request.prompt_token_ids
             params = request.params
-            if request.request_id.startswith("hold") and len(seq.output) >= (params.max_tokens or 1):
+            if request.request_id in gated and seq.index > 0:  # until completion 0 is aborted
+                still_running.append(seq)
+                continue
+            holds = request.request_id.startswith("hold") or request.request_id in gated
+            if holds and len(seq.output) >= (params.max_tokens or 1):
                 still_running.append(seq)
                 continue
             if request.request_id.startswith("fail"):
@@ -112,7 +137,8 @@ class FakeCore:
                 failed.error = "injected request failure"
                 deltas.append(failed)
                 continue
-            token_id = prompt[len(seq.output) % len(prompt)]
+            rotation = seq.index if _is_gate(request.request_id) else 0
+            token_id = prompt[(len(seq.output) + rotation) % len(prompt)]
             seq.output.append(token_id)
             needed = math.ceil((len(prompt) + len(seq.output)) / BLOCK_SIZE)
             self._free_blocks -= needed - seq.num_blocks
@@ -125,9 +151,7 @@ class FakeCore:
             if token_id in stops and len(seq.output) >= params.min_tokens:
                 self._release(seq)
                 delta.finish_reason, delta.stop_token_id = FinishReason.STOP, token_id
-            elif len(seq.output) >= (params.max_tokens or MAX_MODEL_LEN - len(prompt)) and not (
-                request.request_id.startswith("hold")
-            ):
+            elif len(seq.output) >= (params.max_tokens or MAX_MODEL_LEN - len(prompt)) and not holds:
                 self._release(seq)
                 delta.finish_reason = FinishReason.LENGTH
             else:

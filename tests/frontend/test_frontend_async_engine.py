@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from engine_server.engine.config import EngineConfig
 from engine_server.engine.types import (
     EngineDead,
     EngineOverloaded,
@@ -16,7 +17,7 @@ from engine_server.engine.types import (
 from engine_server.frontend.async_engine import AsyncEngine
 from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest
 from engine_server.frontend.tokenizer import Tokenizer
-from fake_core import EOS_ID, NUM_BLOCKS, fake_config, fake_factory, fake_validate
+from fake_core import EOS_ID, NUM_BLOCKS, FakeCore, fake_config, fake_factory, fake_validate
 
 TIMEOUT = 10.0
 
@@ -142,6 +143,37 @@ async def test_stop_string_without_detokenize_still_cuts_the_ids(
     assert _text(outputs) == ""
     assert tokenizer.decode(_ids(outputs)) == "abc STOP"
     assert outputs[-1].chunks[-1].stop_reason == "STOP"
+
+
+async def test_a_completion_ending_on_a_stop_string_stops_its_sequence_only(
+    model_dir: Path, tokenizer: Tokenizer
+) -> None:
+    cores: list[FakeCore] = []
+
+    def factory(config: EngineConfig) -> FakeCore:
+        cores.append(FakeCore(config, vocab_size=tokenizer.vocab_size, step_delay=0.001))
+        return cores[-1]
+
+    engine = await AsyncEngine.start(fake_config(model_dir), in_process=True, engine_factory=factory,
+                                     validator=fake_validate)
+    try:
+        # "gate": completions 1 and 2 run only once the core has dropped completion 0, which never ends on
+        # its own; they echo the prompt from tokens 1 and 2 on, so "STOP" (tokens 0-3) is never theirs.
+        text = "STOP and then more words"
+        prompt = tokenizer.encode(text, add_special_tokens=False).token_ids
+        request = _request(tokenizer, "gate-1", text, n=3, max_tokens=len(prompt) - 2, stop=("STOP",))
+        outputs = await _collect(engine, request)
+        final = {chunk.index: chunk for output in outputs for chunk in output.chunks if chunk.finish_reason}
+        assert (final[0].finish_reason, final[0].stop_reason) == (FinishReason.STOP, "STOP")
+        assert (_text(outputs, 0), tokenizer.decode(_ids(outputs, 0))) == ("", "STOP")
+        for index in (1, 2):
+            assert _ids(outputs, index) == prompt[index:index + len(prompt) - 2]
+            assert (final[index].finish_reason, final[index].num_completion_tokens) == (
+                FinishReason.LENGTH, len(prompt) - 2)
+        assert cores[0].aborted_completions == [("gate-1", 0)]  # that completion only, not the request
+        await _assert_all_free(engine)
+    finally:
+        await engine.shutdown(timeout=5.0)
 
 
 async def test_cancelled_consumers_abort_in_the_engine(

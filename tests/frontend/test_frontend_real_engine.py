@@ -6,12 +6,13 @@ import asyncio
 import concurrent.futures
 import os
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 from engine_server.engine.config import EngineConfig
+from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import EngineDead, FinishReason, SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
 from engine_server.frontend.core_process import EngineLoadError
@@ -82,6 +83,10 @@ def _text(outputs: list[GenerateOutput]) -> str:
     return "".join(chunk.text for output in outputs for chunk in output.chunks)
 
 
+def _completion_text(outputs: list[GenerateOutput], index: int) -> str:
+    return "".join(chunk.text for output in outputs for chunk in output.chunks if chunk.index == index)
+
+
 async def _assert_idle_and_free(engine: AsyncEngine) -> None:
     async with asyncio.timeout(TIMEOUT):
         stats = await engine.wait_idle()
@@ -126,6 +131,49 @@ async def test_sampled_text_is_exactly_the_full_decode(engine: AsyncEngine) -> N
         token_ids = [token_id for chunk in chunks for token_id in chunk.token_ids]
         assert len(token_ids) == chunks[-1].num_completion_tokens == 40
         assert "".join(chunk.text for chunk in chunks) == engine.tokenizer.decode(token_ids)
+
+
+class _RecordingEngine(LLMEngine):
+    """Records the completions the core loop asks it to abort (and which were live)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.aborted_completions: list[tuple[str, int]] = []
+
+    def abort_completions(self, completions: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+        found = super().abort_completions(completions)
+        self.aborted_completions.extend(found)
+        return found
+
+
+async def test_one_completion_ending_on_a_stop_string_is_aborted_in_the_engine(model_dir: Path) -> None:
+    cores: list[_RecordingEngine] = []
+
+    def factory(config: EngineConfig) -> _RecordingEngine:
+        cores.append(_RecordingEngine(config))
+        return cores[-1]
+
+    engine = await AsyncEngine.start(_config(model_dir), in_process=True, engine_factory=factory)
+    try:
+        ids = tuple(engine.tokenizer.encode("Once upon a time").token_ids)
+        # NOTE: many tokens, so that the engine cannot finish completion 0 before the abort reaches it
+        params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=160, ignore_eos=True)
+        full = await _collect(engine, GenerateRequest("full", ids, params))
+        texts = [_completion_text(full, index) for index in range(3)]
+        # a piece of completion 0's text early on that the others never produce
+        stop = next(piece for piece in (texts[0][p:p + 4] for p in range(2, 20))
+                    if all(piece not in text for text in texts[1:]))
+        outputs = await _collect(engine, GenerateRequest("stop", ids, params, stop=(stop,)))
+        finals = {chunk.index: chunk for output in outputs for chunk in output.chunks if chunk.finish_reason}
+        assert _completion_text(outputs, 0) == texts[0][:texts[0].find(stop)]
+        assert (finals[0].finish_reason, finals[0].stop_reason) == (FinishReason.STOP, stop)
+        for index in (1, 2):
+            assert (finals[index].finish_reason, finals[index].num_completion_tokens) == (
+                FinishReason.LENGTH, 160)
+        assert cores[0].aborted_completions == [("stop", 0)]  # live in the engine when asked: stopped early
+        await _assert_idle_and_free(engine)
+    finally:
+        await engine.shutdown(timeout=10.0)
 
 
 async def test_logprobs_ride_with_their_tokens(engine: AsyncEngine) -> None:

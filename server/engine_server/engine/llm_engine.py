@@ -58,6 +58,7 @@ class LLMEngine:
         self._loaded = loaded
         self._requests: dict[str, _RequestState] = {}
         self._pending_aborts: list[str] = []
+        self._pending_completion_aborts: list[tuple[str, int]] = []  # (request_id, index)
         self._seq_ids = itertools.count()
         self.block_manager = BlockManager(loaded.info.num_kv_blocks, loaded.info.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
@@ -111,6 +112,25 @@ class LLMEngine:
         self._pending_aborts.extend(found)
         return found
 
+    def abort_completions(self, completions: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Aborts single completions (request_id, index) of n > 1 requests; their siblings go on.
+
+        Each ends with an ABORT delta at the next step, which frees its own blocks. Returns the ones
+        that were live.
+        """
+        found = []
+        for request_id, index in completions:
+            state = self._requests.get(request_id)
+            if state is None or not 0 <= index < state.request.params.n or index in state.finished_indices:
+                continue
+            seq = state.seqs.get(index)
+            is_pending = seq is not None and seq.is_abort_pending
+            if is_pending or (request_id, index) in self._pending_completion_aborts:
+                continue  # already being aborted
+            found.append((request_id, index))
+            self._pending_completion_aborts.append((request_id, index))
+        return found
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -131,7 +151,7 @@ class LLMEngine:
 
     # 2) the step
     def step(self) -> list[CompletionDelta]:
-        """One scheduler step; at most one delta per completion (ABORT deltas of aborted requests first)."""
+        """One scheduler step; at most one delta per completion (ABORT deltas of aborted ones first)."""
         # 1) aborts free their blocks before anything is scheduled
         deltas = self._process_aborts()
         if self.runner is None:
@@ -162,8 +182,11 @@ class LLMEngine:
             row = step_logits.sample_rows.get(s.seq.seq_id)
             if row is None:
                 continue
-            seqs.append(s.seq)
-            rows.append(row)
+            if s.seq.is_abort_pending:  # its prompt was computed for its siblings: now it can go
+                self._pending_completion_aborts.append((s.seq.request_id, s.seq.index))
+            else:
+                seqs.append(s.seq)
+                rows.append(row)
             if s.seq.num_siblings_to_fork:
                 # n > 1: the prompt is computed once; siblings sample from the same logits row.
                 for sibling in self._fork(s.seq):
@@ -176,6 +199,8 @@ class LLMEngine:
         siblings = []
         num_shared_blocks = parent.num_prompt_tokens // self.block_manager.block_size
         for index in range(1, parent.num_siblings_to_fork + 1):
+            if index in state.finished_indices:  # aborted before it existed
+                continue
             child = self._new_sequence(state.request, index, list(parent.token_ids), parent.max_tokens)
             # NOTE: only full prompt blocks are shared; the child recomputes the partial tail
             # (< block_size tokens) into its own block, so no block is ever written by two owners.
@@ -225,11 +250,13 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
-        state = self._requests[seq.request_id]
-        state.seqs.pop(seq.index, None)
-        state.finished_indices.add(seq.index)
+        self._end_completion(self._requests[seq.request_id], seq.index)
+
+    def _end_completion(self, state: _RequestState, index: int) -> None:
+        state.seqs.pop(index, None)
+        state.finished_indices.add(index)
         if len(state.finished_indices) == state.request.params.n:
-            del self._requests[seq.request_id]
+            del self._requests[state.request.request_id]
 
     def _process_aborts(self) -> list[CompletionDelta]:
         deltas = []
@@ -244,4 +271,26 @@ class LLMEngine:
                     deltas.append(CompletionDelta(request_id=request_id, index=index, new_token_ids=[],
                                                   finish_reason=FinishReason.ABORT))
         self._pending_aborts.clear()
+        # NOTE: highest index first, so that index 0 (which computes the prompt for the siblings it has
+        # yet to fork) sees which of them are still wanted.
+        completions = sorted(self._pending_completion_aborts, key=lambda c: -c[1])
+        self._pending_completion_aborts.clear()
+        for request_id, index in completions:
+            state = self._requests.get(request_id)
+            if state is not None and index not in state.finished_indices:  # else it ended meanwhile
+                delta = self._abort_completion(state, index)
+                if delta is not None:
+                    deltas.append(delta)
         return deltas
+
+    def _abort_completion(self, state: _RequestState, index: int) -> CompletionDelta | None:
+        seq = state.seqs.get(index)
+        if seq is not None and seq.num_siblings_to_fork and any(
+                i not in state.finished_indices for i in range(1, state.request.params.n)):
+            seq.is_abort_pending = True  # it ends once its siblings are forked
+            return None
+        if seq is not None:  # (None: a sibling not forked yet; the fork skips it)
+            self.scheduler.remove(seq)
+        self._end_completion(state, index)
+        return CompletionDelta(request_id=state.request.request_id, index=index, new_token_ids=[],
+                               finish_reason=FinishReason.ABORT)

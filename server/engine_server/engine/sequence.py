@@ -39,6 +39,9 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prompt tokens that came from the prefix cache at first admission
     num_siblings_to_fork: int = 0  # n - 1 until the first token is sampled (index 0 only)
     is_first_output: bool = True
+    # Index 0 aborted before its first token while siblings it forks are still wanted: it computes the
+    # prompt for them, then ends without sampling.
+    is_abort_pending: bool = False
     # Prompt logprobs accumulate chunk by chunk; they ride on the first delta.
     prompt_logprobs: list[TokenLogprob | None] | None = None
 

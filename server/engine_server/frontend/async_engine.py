@@ -26,6 +26,7 @@ from engine_server.frontend.core_loop import EngineFactory, default_engine_facto
 from engine_server.frontend.core_process import CoreClient, EngineLoadError
 from engine_server.frontend.messages import (
     AbortCommand,
+    AbortCompletionsCommand,
     AddCommand,
     CallReply,
     CoreFailed,
@@ -167,6 +168,11 @@ class AsyncEngine:
             return
         state.abort_sent = True
         self._client.send(AbortCommand((state.request_id,)))
+
+    def _abort_completion_in_core(self, state: RequestState, index: int) -> None:
+        if state.abort_sent or self.state is EngineState.FAILED:
+            return
+        self._client.send(AbortCompletionsCommand(((state.request_id, index),)))
 
     async def embed(self, inputs: list[list[int]], *, normalize: bool) -> list[list[float]]:
         self._check_serving()
@@ -319,7 +325,7 @@ class AsyncEngine:
             state = requests.get(delta.request_id)
             if state is None:
                 continue  # finished or failed here already
-            state.process(delta)
+            ended_here = state.process(delta)
             if state.has_news:
                 state.wake()
             if state.num_engine_unfinished == 0:
@@ -327,6 +333,9 @@ class AsyncEngine:
             elif state.num_unfinished == 0 and not state.abort_sent:
                 # Every completion ended on a stop string: free its blocks now rather than at max_tokens.
                 self._abort_in_core(state)
+            elif ended_here:
+                # One of n completions ended on a stop string: stop its sequence; the others go on.
+                self._abort_completion_in_core(state, delta.index)
         if not requests and self._idle_waiters:
             self._wake_idle_waiters()
 

@@ -25,6 +25,7 @@ from engine_server.engine.types import (
 )
 from engine_server.frontend.messages import (
     AbortCommand,
+    AbortCompletionsCommand,
     AddCommand,
     CallReply,
     Command,
@@ -58,6 +59,17 @@ class EngineCore(Protocol):
 
 
 EngineFactory = Callable[["EngineConfig"], EngineCore]
+
+
+def abort_completions(engine: EngineCore, completions: Iterable[tuple[str, int]]) -> None:
+    """Aborts single completions where the engine can (`LLMEngine.abort_completions`).
+
+    NOTE: optional in the protocol: on an engine without it (the simulated one) such a completion runs
+    to its own end, as its request's other completions do; the frontend has ended it already.
+    """
+    abort = getattr(engine, "abort_completions", None)
+    if abort is not None:
+        abort(completions)
 
 
 def default_engine_factory(config: EngineConfig) -> EngineCore:
@@ -157,6 +169,9 @@ class _CoreLoop:
             elif isinstance(command, AbortCommand):
                 self._needs_step = True
                 engine.abort(command.request_ids)
+            elif isinstance(command, AbortCompletionsCommand):
+                self._needs_step = True
+                abort_completions(engine, command.completions)
             elif isinstance(command, EmbedCommand):
                 self._conn.send(embed_reply(engine, command))
             elif isinstance(command, StatsCommand):

@@ -24,9 +24,10 @@ from engine_server.engine.types import (
     EngineStats,
     RequestError,
 )
-from engine_server.frontend.core_loop import embed_reply, exit_without_teardown
+from engine_server.frontend.core_loop import abort_completions, embed_reply, exit_without_teardown
 from engine_server.frontend.messages import (
     AbortCommand,
+    AbortCompletionsCommand,
     AddCommand,
     CallReply,
     Command,
@@ -130,6 +131,9 @@ class _MultiCoreLoop:
             elif isinstance(command, AbortCommand):
                 self._needs_step = True
                 engine.abort([prefix + request_id for request_id in command.request_ids])
+            elif isinstance(command, AbortCompletionsCommand):
+                self._needs_step = True
+                abort_completions(engine, [(prefix + request_id, i) for request_id, i in command.completions])
             elif isinstance(command, StatsCommand):
                 self._conns[index].send(CallReply(command.call_id, engine.stats()))
             elif isinstance(command, EmbedCommand):

@@ -38,6 +38,13 @@ class AbortCommand:
 
 
 @dataclass(frozen=True, slots=True)
+class AbortCompletionsCommand:
+    """Single completions (request_id, index) of n > 1 requests, e.g. one that ended on a stop string."""
+
+    completions: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class EmbedCommand:
     call_id: int
     inputs: list[list[int]]
@@ -54,7 +61,7 @@ class ShutdownCommand:
     pass
 
 
-Command = AddCommand | AbortCommand | EmbedCommand | StatsCommand | ShutdownCommand
+Command = AddCommand | AbortCommand | AbortCompletionsCommand | EmbedCommand | StatsCommand | ShutdownCommand
 
 
 # --- core -> frontend -------------------------------------------------------------------------

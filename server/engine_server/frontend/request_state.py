@@ -73,8 +73,11 @@ class RequestState:
 
     # --- producer side (the engine's output task) ---------------------------------------------------
 
-    def process(self, delta: CompletionDelta) -> None:
-        """Apply one engine delta. Call `wake()` once after the whole step has been processed."""
+    def process(self, delta: CompletionDelta) -> bool:
+        """Apply one engine delta. Call `wake()` once after the whole step has been processed.
+
+        Returns True when it ended the completion here (a stop string) while the engine still runs it.
+        """
         self.has_output = True
         finish = delta.finish_reason
         if finish is not None:
@@ -87,7 +90,7 @@ class RequestState:
                 self._has_news = True
         completion = self._completions[delta.index]
         if completion.is_finished:
-            return  # finished here first (a stop string, or an abort); the engine is catching up
+            return False  # finished here first (a stop string, or an abort); the engine is catching up
         token_ids = delta.new_token_ids
         logprobs = delta.logprobs
         stop_reason: str | int | None = None
@@ -123,11 +126,13 @@ class RequestState:
             self._error_text = delta.error or "the engine failed this request"
         completion.num_tokens += len(token_ids)
         if not token_ids and not text and finish is None:
-            return
+            return False
         self._add_chunk(delta.index, token_ids, text, logprobs, finish, stop_reason)
-        if finish is not None:
-            completion.is_finished = True
-            self.num_unfinished -= 1
+        if finish is None:
+            return False
+        completion.is_finished = True
+        self.num_unfinished -= 1
+        return delta.finish_reason is None
 
     def _add_chunk(
         self,
