@@ -60,6 +60,9 @@ class FakeStream:
     def __aiter__(self) -> FakeStream:
         return self
 
+    def set_sink(self, sink: object) -> None:
+        """Never pushes: the servicer's pull path (every output through the iterator) stays covered."""
+
     async def __anext__(self) -> GenerateOutput:
         if self._is_done:
             raise StopAsyncIteration

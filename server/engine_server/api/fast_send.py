@@ -42,10 +42,15 @@ class FastSender:
             self._ok = False
 
     async def send(self, message: Any) -> None:
+        if not self.try_send(message):
+            await self._stream.send_message(message)
+
+    def try_send(self, message: Any) -> bool:
+        """Writes the message now if the fast path applies (no await); False: nothing was written, send it
+        with `send` (or grpclib's `send_message`) instead."""
         stream = self._stream
         if not self._ok or not stream._send_initial_metadata_done:
-            await stream.send_message(message)
-            return
+            return False
         payload = message.SerializeToString()
         size = len(payload) + _PREFIX.size
         h2 = self._h2
@@ -56,8 +61,7 @@ class FastSender:
                 or size > h2.max_outbound_frame_size or size > h2_stream.outbound_flow_control_window
                 or size > h2.outbound_flow_control_window or not connection.write_ready.is_set()
                 or self._transport.is_closing()):
-            await stream.send_message(message)
-            return
+            return False
         pending = h2.data_to_send()  # NOTE: frames h2 queued must go first, to keep the order
         if pending:
             self._transport.write(pending)
@@ -74,3 +78,4 @@ class FastSender:
         stream._messages_sent += 1
         connection.messages_sent += 1
         connection.last_message_sent = time.monotonic()
+        return True

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from engine_server.engine.loader import ModelInfo
     from engine_server.engine.types import EngineStats
-    from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest
+    from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest, OutputSink
 
 
 class Encoding(Protocol):
@@ -37,6 +37,8 @@ class OutputStream(Protocol):
     def __aiter__(self) -> OutputStream: ...
     async def __anext__(self) -> GenerateOutput: ...
     async def aclose(self) -> None: ...
+    def set_sink(self, sink: OutputSink | None) -> None:
+        """Offer outputs to `sink` before waking the consumer (None: stop); a stream may never call it."""
 
 
 class EngineHandle(Protocol):

@@ -30,6 +30,7 @@ from engine_server.frontend.messages import (
     AddCommand,
     CallReply,
     CoreFailed,
+    CoreMessage,
     EmbedCommand,
     StatsCommand,
     StepOutput,
@@ -298,9 +299,22 @@ class AsyncEngine:
         client = self._client
         try:
             while True:
-                message = await client.recv()
+                # NOTE: all that has arrived is handled in one pass: when this loop fell behind the core, the
+                # outputs of several steps reach each consumer (or sink) as one coalesced output.
+                messages = [await client.recv(), *client.recv_ready()]
+                self._on_messages(messages)
+        except EngineDead as exc:
+            self._on_core_gone(exc)
+        except Exception as exc:
+            logger.exception("engine output processing failed")
+            self._on_core_gone(EngineDead(f"engine output processing failed: {type(exc).__name__}: {exc}"))
+
+    def _on_messages(self, messages: list[CoreMessage]) -> None:
+        touched: dict[RequestState, None] = {}  # an ordered set: each one is woken once, at the end
+        try:
+            for message in messages:
                 if type(message) is StepOutput:
-                    self._on_step(message)
+                    self._on_step(message, touched)
                 elif type(message) is CallReply:
                     self._on_reply(message)
                 elif type(message) is CoreFailed:
@@ -308,13 +322,12 @@ class AsyncEngine:
                     raise EngineDead(f"the engine core failed: {message.message}")
                 else:  # pragma: no cover - protocol error
                     raise EngineDead(f"unexpected message from the engine core: {type(message).__name__}")
-        except EngineDead as exc:
-            self._on_core_gone(exc)
-        except Exception as exc:
-            logger.exception("engine output processing failed")
-            self._on_core_gone(EngineDead(f"engine output processing failed: {type(exc).__name__}: {exc}"))
+        finally:
+            for state in touched:
+                if state.has_news:
+                    state.wake()
 
-    def _on_step(self, message: StepOutput) -> None:
+    def _on_step(self, message: StepOutput, touched: dict[RequestState, None]) -> None:
         self._stats = message.stats
         requests = self._requests
         for request_id, error in message.rejected:
@@ -326,8 +339,7 @@ class AsyncEngine:
             if state is None:
                 continue  # finished or failed here already
             ended_here = state.process(delta)
-            if state.has_news:
-                state.wake()
+            touched[state] = None
             if state.num_engine_unfinished == 0:
                 del requests[delta.request_id]
             elif state.num_unfinished == 0 and not state.abort_sent:

@@ -1,9 +1,11 @@
 """The frontend's side of the engine boundary: start the core (own process or own thread) and talk to it.
 
 Transport: one duplex pipe (a Unix socketpair). The core uses a plain `multiprocessing` Connection; the
-frontend reads and writes the same framing (4-byte big-endian length + pickle) with asyncio streams, so the
+frontend reads and writes the same framing (4-byte big-endian length + pickle) on an asyncio transport, so the
 event loop never blocks on the pipe: writes are buffered by the transport (a slow core cannot stall the loop,
-and the two sides can never deadlock on full buffers), reads are awaited.
+and the two sides can never deadlock on full buffers). Messages are unpickled as their bytes arrive; a
+frontend that fell behind takes every message already there in one go (`recv_ready`), so the outputs of
+several engine steps reach a client as one message.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import pickle
 import socket
 import struct
 import threading
+from collections import deque
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from engine_server.engine.types import EngineDead
 from engine_server.frontend.core_loop import (
@@ -42,6 +45,9 @@ _CORE_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 _HEADER = struct.Struct("!i")
 _LONG_HEADER = struct.Struct("!Q")  # multiprocessing's framing for messages >= 2 GiB
+# Unread messages at which the frontend stops reading the pipe: the core then blocks on its next send
+# instead of the frontend buffering without bound.
+_MAX_UNREAD = 64
 
 
 class EngineLoadError(RuntimeError):
@@ -58,13 +64,13 @@ class CoreClient:
     def __init__(
         self,
         *,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        pipe: _PipeProtocol,
+        transport: asyncio.WriteTransport,
         process: BaseProcess | None,
         thread: threading.Thread | None,
     ) -> None:
-        self._reader = reader
-        self._writer = writer
+        self._pipe = pipe
+        self._writer = transport
         self._process = process
         self._thread = thread
         self._outbox: list[Command] = []
@@ -97,8 +103,7 @@ class CoreClient:
             with core_environment():
                 process.start()
             child.close()  # else the parent holds the child's end and never sees EOF when the core dies
-        reader, writer = await _open_streams(parent)
-        client = cls(reader=reader, writer=writer, process=process, thread=thread)
+        client = await cls.connect(parent, process=process, thread=thread)
         try:
             first = await client.recv()
         except asyncio.CancelledError:
@@ -115,6 +120,17 @@ class CoreClient:
             await client.close(timeout=5.0)
             raise EngineLoadError(f"unexpected handshake message {type(first).__name__}")
         return client, first
+
+    @classmethod
+    async def connect(
+        cls, conn: Connection, *, process: BaseProcess | None, thread: threading.Thread | None
+    ) -> CoreClient:
+        """Wraps the frontend's end of the pipe (the Connection is closed; its socket lives on)."""
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        conn.close()
+        sock.setblocking(False)
+        transport, pipe = await asyncio.get_running_loop().create_unix_connection(_PipeProtocol, sock=sock)
+        return cls(pipe=pipe, transport=transport, process=process, thread=thread)
 
     # --- sending: every command queued in one loop tick goes out in one pickled write ---------------
 
@@ -138,16 +154,22 @@ class CoreClient:
 
     async def recv(self) -> CoreMessage:
         """The next message from the core; raises CoreGone when the pipe closes."""
-        reader = self._reader
-        try:
-            (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-            if size == -1:
-                (size,) = _LONG_HEADER.unpack(await reader.readexactly(_LONG_HEADER.size))
-            data = await reader.readexactly(size)
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            raise CoreGone(f"the engine core exited{self._exit_suffix()}") from exc
-        message: CoreMessage = pickle.loads(data)
+        pipe = self._pipe
+        while not pipe.messages:
+            if pipe.failure is not None:
+                raise CoreGone(f"the engine core exited{self._exit_suffix()}") from pipe.failure
+            await pipe.wait()
+        message = pipe.messages.popleft()
+        pipe.maybe_resume()
         return message
+
+    def recv_ready(self) -> list[CoreMessage]:
+        """Every message that has already arrived (none: an empty list); never waits."""
+        pipe = self._pipe
+        messages = list(pipe.messages)
+        pipe.messages.clear()
+        pipe.maybe_resume()
+        return messages
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -208,9 +230,77 @@ def _environment_defaults(defaults: dict[str, str]) -> Iterator[None]:
             os.environ.pop(name, None)
 
 
-async def _open_streams(conn: Connection) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    sock = socket.socket(fileno=os.dup(conn.fileno()))
-    conn.close()
-    sock.setblocking(False)
-    # NOTE: no read limit applies to readexactly; the limit only bounds readline-style reads.
-    return await asyncio.open_unix_connection(sock=sock)
+class _PipeProtocol(asyncio.Protocol):
+    """The frontend's end of the pipe: complete frames are unpickled as they arrive, in order."""
+
+    def __init__(self) -> None:
+        self.messages: deque[CoreMessage] = deque()
+        self.failure: BaseException | None = None  # set once the pipe is closed (EOF, error, bad frame)
+        self._transport: asyncio.ReadTransport | None = None
+        self._buffer = bytearray()
+        self._waiter: asyncio.Future[None] | None = None
+        self._is_paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.ReadTransport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        offset, end = 0, len(buffer)
+        try:
+            while end - offset >= _HEADER.size:
+                (size,) = _HEADER.unpack_from(buffer, offset)
+                start = offset + _HEADER.size
+                if size == -1:
+                    if end - start < _LONG_HEADER.size:
+                        break
+                    (size,) = _LONG_HEADER.unpack_from(buffer, start)
+                    start += _LONG_HEADER.size
+                if end - start < size:
+                    break
+                self.messages.append(pickle.loads(buffer[start:start + size]))
+                offset = start + size
+        except Exception as exc:  # a corrupt frame: nothing after it can be trusted
+            self._fail(exc)
+            if self._transport is not None:
+                self._transport.close()
+            return
+        del buffer[:offset]
+        if len(self.messages) >= _MAX_UNREAD and not self._is_paused and self._transport is not None:
+            self._is_paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._fail(EOFError("the engine core closed the pipe"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionResetError("the pipe to the engine core closed"))
+
+    async def wait(self) -> None:
+        """Until a message arrives or the pipe fails."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiter = waiter
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def maybe_resume(self) -> None:
+        transport = self._transport
+        if self._is_paused and len(self.messages) < _MAX_UNREAD // 2 and transport is not None:
+            self._is_paused = False
+            if not transport.is_closing():
+                transport.resume_reading()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_server.engine.types import FinishReason, RequestError, SamplingParams, TokenLogprob
@@ -64,3 +65,8 @@ class GenerateOutput:
     prompt_logprobs: list[TokenLogprob | None] | None  # only on the first output that has them
     finished: bool  # all n completions finished
     error: str | None = None  # set when the engine failed this request (a chunk has FinishReason.ERROR)
+
+
+# Called on the engine's output task with each output as it becomes ready (RequestStream.set_sink); True:
+# delivered, the stream will not yield it; False: declined, the stream yields it, in order.
+OutputSink = Callable[[GenerateOutput], bool]

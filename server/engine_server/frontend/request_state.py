@@ -5,12 +5,16 @@ everything ready into one pending output, so a slow consumer wakes once per step
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections import deque
 from typing import Any
 
 from engine_server.engine.types import CompletionDelta, FinishReason, TokenLogprob
 from engine_server.frontend.detokenizer import IncrementalDetokenizer
-from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest
+from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest, OutputSink
 from engine_server.frontend.stop_strings import StopStringMatcher
+
+logger = logging.getLogger(__name__)
 
 
 class _Completion:
@@ -43,6 +47,7 @@ class RequestState:
         "_prompt_logprobs",
         "_request",
         "abort_sent",
+        "declined",
         "error",
         "has_output",
         "num_cached_prompt_tokens",
@@ -50,6 +55,7 @@ class RequestState:
         "num_prompt_tokens",
         "num_unfinished",
         "request_id",
+        "sink",
         "waiter",
     )
 
@@ -67,6 +73,8 @@ class RequestState:
         self.num_engine_unfinished = n  # as the engine core sees it: the record lives until this is 0
         self.has_output = False  # the engine produced something: the request is running, not waiting
         self.waiter: asyncio.Future[None] | None = None  # set while the consumer waits for news
+        self.sink: OutputSink | None = None  # offered each output before the consumer is woken
+        self.declined: deque[GenerateOutput] = deque()  # what the sink declined: the consumer yields it
         self.error: BaseException | None = None  # raised to the consumer after pending output
         self._error_text: str | None = None
         self.abort_sent = False  # the engine was told to abort it; its final deltas are still to come
@@ -185,6 +193,19 @@ class RequestState:
         self.wake()
 
     def wake(self) -> None:
+        sink = self.sink
+        if sink is not None and self._has_news and self.error is None and not self.declined:
+            output = self.take()
+            try:
+                delivered = sink(output)
+            except Exception:  # NOTE: a failing sink must not reach the engine's output task
+                logger.exception("output sink of request %s failed; falling back to its consumer",
+                                 self.request_id)
+                self.sink, delivered = None, False
+            if not delivered:
+                self.declined.append(output)
+            elif not output.finished:
+                return  # delivered: the consumer has nothing to do
         waiter = self.waiter
         if waiter is not None:
             self.waiter = None

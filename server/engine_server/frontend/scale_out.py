@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import os
-import socket
 from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -80,11 +78,7 @@ async def attach_engine(conn: Connection, config: EngineConfig) -> AsyncEngine:
 async def _attach(
     conn: Connection, config: EngineConfig, *, process: BaseProcess | None, engine_cls: type[AsyncEngine]
 ) -> AsyncEngine:
-    sock = socket.socket(fileno=os.dup(conn.fileno()))
-    conn.close()
-    sock.setblocking(False)
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
-    client = CoreClient(reader=reader, writer=writer, process=process, thread=None)
+    client = await CoreClient.connect(conn, process=process, thread=None)
     try:
         first = await client.recv()
         if isinstance(first, LoadFailed):

@@ -6,7 +6,7 @@ import asyncio
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from engine_server.frontend.outputs import GenerateOutput
+from engine_server.frontend.outputs import GenerateOutput, OutputSink
 from engine_server.frontend.request_state import RequestState
 
 if TYPE_CHECKING:
@@ -35,11 +35,23 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    def set_sink(self, sink: OutputSink | None) -> None:
+        """Offer each output to `sink(output) -> bool` on the engine's output task before waking the consumer.
+
+        What it declines (False) is yielded here, in order; None: back to yielding everything.
+        """
+        self._state.sink = sink
+
     async def __anext__(self) -> GenerateOutput:
         state = self._state
         while True:
             if self._is_closed:
                 raise StopAsyncIteration
+            if state.declined:
+                output = state.declined.popleft()
+                if output.finished and state.error is None:
+                    self._is_closed = True
+                return output
             if state.has_news:
                 output = state.take()
                 if output.finished and state.error is None:

@@ -1,0 +1,85 @@
+"""RequestStream.set_sink: outputs pushed on the engine's output task, declined ones yielded in order."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine_server.engine.types import SamplingParams
+from engine_server.frontend.async_engine import AsyncEngine
+from engine_server.frontend.outputs import GenerateOutput, GenerateRequest
+from engine_server.frontend.tokenizer import Tokenizer
+
+TIMEOUT = 10.0
+
+
+def _request(tokenizer: Tokenizer, request_id: str, text: str) -> GenerateRequest:
+    ids = tuple(tokenizer.encode(text, add_special_tokens=False).token_ids)
+    return GenerateRequest(request_id, ids, SamplingParams(max_tokens=len(ids)))
+
+
+def _ids(outputs: list[GenerateOutput]) -> list[int]:
+    return [token_id for output in outputs for chunk in output.chunks for token_id in chunk.token_ids]
+
+
+async def test_a_sink_that_takes_everything_leaves_the_iterator_only_the_end(
+    fake_engine: AsyncEngine, tokenizer: Tokenizer
+) -> None:
+    request = _request(tokenizer, "push-all", "one two three four five six seven eight")
+    pushed: list[GenerateOutput] = []
+    stream = fake_engine.generate(request)
+    stream.set_sink(lambda output: pushed.append(output) is None)
+    async with asyncio.timeout(TIMEOUT):
+        yielded = [output async for output in stream]
+    assert yielded == []
+    assert _ids(pushed) == list(request.prompt_token_ids)
+    assert pushed[-1].finished
+    assert not any(output.finished for output in pushed[:-1])
+
+
+async def test_declined_outputs_come_through_the_iterator_in_order(
+    fake_engine: AsyncEngine, tokenizer: Tokenizer
+) -> None:
+    request = _request(tokenizer, "push-some", "alpha beta gamma delta epsilon zeta eta theta iota kappa")
+    delivered: list[GenerateOutput] = []  # in delivery order, whichever way each output came
+    offered = num_pulled = 0
+
+    def every_other(output: GenerateOutput) -> bool:
+        nonlocal offered
+        offered += 1
+        if offered % 2:
+            return False
+        delivered.append(output)
+        return True
+
+    stream = fake_engine.generate(request)
+    stream.set_sink(every_other)
+    async with asyncio.timeout(TIMEOUT):
+        async for output in stream:
+            delivered.append(output)
+            num_pulled += 1
+    assert offered >= 2
+    assert num_pulled >= 1
+    # NOTE: while a declined output waits for the consumer, later ones wait behind it (not offered to the
+    # sink), so every token arrives exactly once and in order.
+    assert _ids(delivered) == list(request.prompt_token_ids)
+    assert delivered[-1].finished
+
+
+async def test_a_failing_sink_falls_back_to_the_iterator(
+    fake_engine: AsyncEngine, tokenizer: Tokenizer
+) -> None:
+    request = _request(tokenizer, "push-broken", "the sink raises but the stream survives intact")
+
+    def broken(output: GenerateOutput) -> bool:
+        raise RuntimeError("sink bug")
+
+    stream = fake_engine.generate(request)
+    stream.set_sink(broken)
+    async with asyncio.timeout(TIMEOUT):
+        yielded = [output async for output in stream]
+    assert _ids(yielded) == list(request.prompt_token_ids)
+    assert yielded[-1].finished
+    # the engine's output task survived: the next request is served
+    again = _request(tokenizer, "after-broken", "still serving")
+    async with asyncio.timeout(TIMEOUT):
+        assert _ids([o async for o in fake_engine.generate(again)]) == list(again.prompt_token_ids)
