@@ -45,3 +45,22 @@ async def test_streams_max_tokens_and_aborts_cleanly(tiny_model_dir: Path) -> No
             assert (stats.num_running, stats.num_waiting) == (0, 0)
         finally:
             await engine.shutdown(timeout=5.0)
+
+
+def test_one_completion_aborts_alone(tiny_model_dir: Path) -> None:
+    from engine_server.engine.simulated import SimulatedEngine
+    from engine_server.engine.types import EngineRequest
+
+    engine = SimulatedEngine(EngineConfig(model=str(tiny_model_dir)), step_s=0.0)
+    engine.add_request(EngineRequest("n3", (20, 21), SamplingParams(max_tokens=5, ignore_eos=True, n=3)))
+    assert len(engine.step()) == 3
+    assert engine.abort_completions([("n3", 1), ("n3", 7), ("other", 0)]) == [("n3", 1)]
+    deltas = engine.step()
+    aborted = [d for d in deltas if d.finish_reason is FinishReason.ABORT]
+    assert [(d.index, d.new_token_ids) for d in aborted] == [(1, [])]
+    tokens = {0: 1, 2: 1}
+    while engine.has_unfinished():
+        for d in engine.step() + deltas:
+            tokens[d.index] = tokens.get(d.index, 0) + len(d.new_token_ids)
+        deltas = []
+    assert tokens == {0: 5, 1: 0, 2: 5}

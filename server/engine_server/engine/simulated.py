@@ -69,6 +69,7 @@ class SimulatedEngine:
         self._waiting: deque[EngineRequest] = deque()
         self._running: dict[tuple[str, int], _SimSeq] = {}
         self._pending_aborts: list[str] = []
+        self._pending_completion_aborts: list[tuple[str, int]] = []
 
     def add_request(self, request: EngineRequest) -> None:
         if len(self._waiting) >= self._max_waiting:
@@ -81,6 +82,12 @@ class SimulatedEngine:
         known = {seq.request_id for seq in self._running.values()} | {r.request_id for r in self._waiting}
         found = [rid for rid in request_ids if rid in known]
         self._pending_aborts.extend(found)
+        return found
+
+    def abort_completions(self, completions: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Single running completions (a stop string ended one of n): each ends with ABORT next step."""
+        found = [key for key in completions if key in self._running]
+        self._pending_completion_aborts.extend(found)
         return found
 
     def has_unfinished(self) -> bool:
@@ -128,11 +135,15 @@ class SimulatedEngine:
         return deltas
 
     def _process_aborts(self) -> list[CompletionDelta]:
+        deltas: list[CompletionDelta] = []
+        for key in self._pending_completion_aborts:
+            if self._running.pop(key, None) is not None:
+                deltas.append(CompletionDelta(key[0], key[1], [], finish_reason=FinishReason.ABORT))
+        self._pending_completion_aborts.clear()
         if not self._pending_aborts:
-            return []
+            return deltas
         aborted = set(self._pending_aborts)
         self._pending_aborts.clear()
-        deltas: list[CompletionDelta] = []
         for request in [r for r in self._waiting if r.request_id in aborted]:
             self._waiting.remove(request)
             deltas.extend(CompletionDelta(request.request_id, index, [], finish_reason=FinishReason.ABORT)

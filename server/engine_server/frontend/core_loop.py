@@ -52,6 +52,7 @@ class EngineCore(Protocol):
 
     def add_request(self, request: EngineRequest) -> None: ...
     def abort(self, request_ids: Iterable[str]) -> list[str]: ...
+    def abort_completions(self, completions: Iterable[tuple[str, int]]) -> list[tuple[str, int]]: ...
     def step(self) -> list[CompletionDelta]: ...
     def has_unfinished(self) -> bool: ...
     def stats(self) -> EngineStats: ...
@@ -59,17 +60,6 @@ class EngineCore(Protocol):
 
 
 EngineFactory = Callable[["EngineConfig"], EngineCore]
-
-
-def abort_completions(engine: EngineCore, completions: Iterable[tuple[str, int]]) -> None:
-    """Aborts single completions where the engine can (`LLMEngine.abort_completions`).
-
-    NOTE: optional in the protocol: on an engine without it (the simulated one) such a completion runs
-    to its own end, as its request's other completions do; the frontend has ended it already.
-    """
-    abort = getattr(engine, "abort_completions", None)
-    if abort is not None:
-        abort(completions)
 
 
 def default_engine_factory(config: EngineConfig) -> EngineCore:
@@ -171,7 +161,7 @@ class _CoreLoop:
                 engine.abort(command.request_ids)
             elif isinstance(command, AbortCompletionsCommand):
                 self._needs_step = True
-                abort_completions(engine, command.completions)
+                engine.abort_completions(command.completions)
             elif isinstance(command, EmbedCommand):
                 self._conn.send(embed_reply(engine, command))
             elif isinstance(command, StatsCommand):

@@ -24,7 +24,7 @@ from engine_server.engine.types import (
     EngineStats,
     RequestError,
 )
-from engine_server.frontend.core_loop import abort_completions, embed_reply, exit_without_teardown
+from engine_server.frontend.core_loop import embed_reply, exit_without_teardown
 from engine_server.frontend.messages import (
     AbortCommand,
     AbortCompletionsCommand,
@@ -133,7 +133,7 @@ class _MultiCoreLoop:
                 engine.abort([prefix + request_id for request_id in command.request_ids])
             elif isinstance(command, AbortCompletionsCommand):
                 self._needs_step = True
-                abort_completions(engine, [(prefix + request_id, i) for request_id, i in command.completions])
+                engine.abort_completions([(prefix + request_id, i) for request_id, i in command.completions])
             elif isinstance(command, StatsCommand):
                 self._conns[index].send(CallReply(command.call_id, engine.stats()))
             elif isinstance(command, EmbedCommand):
