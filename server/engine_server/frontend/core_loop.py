@@ -37,6 +37,7 @@ from engine_server.frontend.messages import (
     StatsCommand,
     StepOutput,
 )
+from engine_server.gc_policy import freeze_startup_heap
 
 if TYPE_CHECKING:
     from engine_server.engine.config import EngineConfig
@@ -73,7 +74,7 @@ def run_core_process(conn: Connection, config: EngineConfig, engine_factory: Eng
     """Entry point of the core's own process."""
     # NOTE: Ctrl-C reaches the whole process group; the server decides how to stop (drain, then tell us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_core(conn, config, engine_factory)
+    run_core(conn, config, engine_factory, own_process=True)
     exit_without_teardown()
 
 
@@ -92,7 +93,8 @@ def exit_without_teardown() -> None:
     os._exit(0)
 
 
-def run_core(conn: Connection, config: EngineConfig, engine_factory: EngineFactory) -> None:
+def run_core(conn: Connection, config: EngineConfig, engine_factory: EngineFactory, *,
+             own_process: bool = False) -> None:
     """Entry point of the core process / thread. Returns when shut down, on EOF, or after a failure."""
     try:
         try:
@@ -101,6 +103,8 @@ def run_core(conn: Connection, config: EngineConfig, engine_factory: EngineFacto
             logger.debug("engine load failed", exc_info=True)
             conn.send(LoadFailed(type(exc).__name__, str(exc)))
             return
+        if own_process:  # NOTE: not in a thread of someone else's process (tests, in-process mode)
+            freeze_startup_heap()
         conn.send(Ready(engine.model_info, engine.stats()))
         _CoreLoop(engine, conn).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):

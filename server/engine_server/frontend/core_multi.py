@@ -39,6 +39,7 @@ from engine_server.frontend.messages import (
     StatsCommand,
     StepOutput,
 )
+from engine_server.gc_policy import freeze_startup_heap
 
 if TYPE_CHECKING:
     from engine_server.engine.config import EngineConfig
@@ -60,6 +61,7 @@ def run_multi_core_process(
                 with contextlib.suppress(OSError):
                     conn.send(LoadFailed(type(exc).__name__, str(exc)))
             return
+        freeze_startup_heap()  # this process is the core's own: see gc_policy.py
         for conn in conns:
             conn.send(Ready(engine.model_info, engine.stats()))
         _MultiCoreLoop(engine, conns).run()
