@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Frontend throughput benchmark (not a test): the same engine behind (a) engine-server (gRPC, as shipped),
 (b) an HTTP/SSE reference server (bench/sse_server.py: uvicorn + starlette, JSON chunks) and (c) the engine
-called in process, side by side in one run, for two engines: the simulated core (fixed step time; measures
-the frontend alone) and the real engine on the tiny model.
+called in process, side by side in one run, on the simulated core (fixed step time; measures the frontend
+alone) and the real engine on the tiny model. The simulated core runs at 1 ms per step ("sim": 256 streams
+then need ~250,000 tokens/s of frontend, so frontends are the bottleneck) and at 5 ms ("sim5": the closed loop
+is latency-bound, its ceiling set by the step time; it shows TTFT under a slower engine).
 
 The server side (frontend process(es) + engine core process) is pinned to core 0, the load generator (its own
 process, bench/frontend_lib/loadgen.py) to core 1. Server CPU is read from /proc/PID/stat of the whole server
 process tree. The in-process baseline has no load generator: its client work is inside its CPU figure.
 
-Usage: bench/frontend.py [--quick] [--engines sim,tiny] [--servers grpc,grpc2,sse,inproc] [--step-ms 5]
+Usage: bench/frontend.py [--quick] [--engines sim,sim5,tiny] [--servers grpc,grpc2,sse,inproc] [--step-ms 1]
                          [--concurrency 1,16,64,256] [--rounds 2] [--markdown BENCHMARKS.md]
 """
 
@@ -66,7 +68,8 @@ class Server:
     def __init__(self, kind: str, engine: str, args: argparse.Namespace, workdir: Path) -> None:
         self.kind = kind
         py = sys.executable
-        sim = ["--simulated-engine", str(args.step_ms)] if engine == "sim" else []
+        step_ms = report.sim_step_ms(engine, args.step_ms)
+        sim = ["--simulated-engine", str(step_ms)] if step_ms is not None else []
         common = ["--max-num-seqs", "256"]
         ready = workdir / f"{kind}-{engine}.ready"
         self.ready = ready
@@ -145,7 +148,7 @@ class Server:
 def num_requests(concurrency: int, engine: str, quick: bool) -> int:
     if quick:
         return max(concurrency, 4)
-    waves = 3 if engine == "sim" else 2
+    waves = 3 if engine.startswith("sim") else 2
     return max(waves * concurrency, 8)
 
 
@@ -178,7 +181,7 @@ def run_all(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
                 servers.append(Server(kind, engine, args, workdir))
             for server in servers:
                 server.run_load(2, 2, args)  # warm-up (first requests, lazy imports): not measured
-            rounds = 1 if args.quick or engine == "tiny" else args.rounds
+            rounds = 1 if args.quick or not engine.startswith("sim") else args.rounds
             for concurrency in args.concurrency:
                 best: dict[str, dict[str, Any]] = {}
                 for round_index in range(rounds):
@@ -214,13 +217,15 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, plots: dict[str
         f"Server side (frontend + engine core process) pinned to core {SERVER_CORE}; load generator in its "
         f"own process pinned to core {CLIENT_CORE}. Every request: {args.prompt}-token prompt, {args.output} "
         f"generated tokens (greedy, ignore_eos), closed loop (each stream sends its next request when the "
-        f"previous one ends). Simulated engine: {args.step_ms} ms per step, one token per running sequence. "
+        "previous one ends). Simulated engine: a fixed time per step (in its label), one token per running "
+        "sequence. "
         "Server CPU = utime+stime of the server's whole process tree (/proc/PID/stat) per generated token; "
         "for the in-process row it includes the client's own work.",
-        f"### Targets at {top} streams", report.targets(rows, concurrency=top),
+        f"### Targets at {top} streams", report.targets(rows, concurrency=top, step_ms=args.step_ms),
     ]
     for engine in args.engines:
-        parts.append(f"### {report.ENGINE_LABELS[engine].capitalize()}")
+        label = report.engine_label(engine, args.step_ms)
+        parts.append(f"### {label[0].upper() + label[1:]}")
         parts.append(report.table(rows, engine))
         if engine in plots:
             rel = os.path.relpath(plots[engine], Path(args.markdown).resolve().parent)
@@ -231,11 +236,12 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, plots: dict[str
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: fewer requests, concurrency 1 and 16")
-    p.add_argument("--engines", default="sim,tiny")
+    p.add_argument("--engines", default="sim,sim5,tiny",
+                   help="sim: simulated engine at --step-ms; simN: at N ms per step; tiny: the real engine")
     p.add_argument("--servers", default="grpc,sse,inproc",
                    help="grpc = engine-server; grpcN = engine-server --api-workers N; sse; inproc")
     p.add_argument("--concurrency", default=None, help="default 1,16,64,256 (quick: 1,16)")
-    p.add_argument("--step-ms", type=float, default=5.0)
+    p.add_argument("--step-ms", type=float, default=1.0)
     p.add_argument("--prompt", type=int, default=100)
     p.add_argument("--output", type=int, default=100)
     p.add_argument("--rounds", type=int, default=2, help="turns per server and concurrency (simulated)")
@@ -263,7 +269,7 @@ def main() -> None:
     if args.markdown:
         for engine in args.engines:
             plots[engine] = Path(args.plots).resolve() / f"frontend-{engine}.png"
-            report.plot(rows, engine, plots[engine])
+            report.plot(rows, engine, plots[engine], step_ms=args.step_ms)
         report.write_section(Path(args.markdown), render(rows, args, plots), start=MARK_START, end=MARK_END,
                              heading="## Frontend throughput")
     print(render(rows, args, plots))

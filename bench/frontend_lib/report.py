@@ -9,6 +9,18 @@ from typing import Any
 SERVER_LABELS = {"grpc": "engine-server (gRPC)", "grpc2": "engine-server --api-workers 2",
                  "sse": "HTTP/SSE reference", "inproc": "in-process"}
 ENGINE_LABELS = {"sim": "simulated engine", "tiny": "tiny model"}
+
+
+def sim_step_ms(engine: str, default_ms: float) -> float | None:
+    """The step time of a simulated engine ("sim": the default; "simN": N ms), None for a real one."""
+    if not engine.startswith("sim"):
+        return None
+    return float(engine[3:]) if engine[3:] else default_ms
+
+
+def engine_label(engine: str, default_ms: float) -> str:
+    step = sim_step_ms(engine, default_ms)
+    return ENGINE_LABELS.get(engine, engine) if step is None else f"simulated engine, {step:g} ms steps"
 COLUMNS = (
     ("tok/s", "tokens_per_s", "{:.0f}"), ("req/s", "requests_per_s", "{:.2f}"),
     ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"), ("p90", "ttft_p90_ms", "{:.0f}"),
@@ -45,7 +57,7 @@ def _find(rows: list[Row], engine: str, server: str, concurrency: int) -> Row | 
     return None
 
 
-def targets(rows: list[Row], *, concurrency: int, grpc: str = "grpc") -> str:
+def targets(rows: list[Row], *, concurrency: int, step_ms: float, grpc: str = "grpc") -> str:
     """The issue's targets at `concurrency` streams: ratios of engine-server to the references."""
     checks = (
         ("tokens/s vs SSE", "sse", "tokens_per_s", ">=", 1.37),
@@ -55,7 +67,7 @@ def targets(rows: list[Row], *, concurrency: int, grpc: str = "grpc") -> str:
     )
     lines = ["| engine | metric | engine-server | reference | ratio | target | met |",
              "|---|---|---:|---:|---:|---|---|"]
-    for engine in ("sim", "tiny"):
+    for engine in dict.fromkeys(row["engine"] for row in rows):
         ours = _find(rows, engine, grpc, concurrency)
         if ours is None:
             continue
@@ -65,12 +77,12 @@ def targets(rows: list[Row], *, concurrency: int, grpc: str = "grpc") -> str:
                 continue
             ratio = ours[key] / ref[key]
             met = ratio >= bound if op == ">=" else ratio <= bound
-            lines.append(f"| {ENGINE_LABELS[engine]} | {name} | {ours[key]:.0f} | {ref[key]:.0f} | "
+            lines.append(f"| {engine_label(engine, step_ms)} | {name} | {ours[key]:.0f} | {ref[key]:.0f} | "
                          f"{ratio:.2f} | {op} {bound} | {'yes' if met else 'NO'} |")
     return "\n".join(lines)
 
 
-def plot(rows: list[Row], engine: str, path: Path) -> None:
+def plot(rows: list[Row], engine: str, path: Path, *, step_ms: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,7 +105,7 @@ def plot(rows: list[Row], engine: str, path: Path) -> None:
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"Frontend throughput, {ENGINE_LABELS.get(engine, engine)}", fontsize=11)
+    fig.suptitle(f"Frontend throughput, {engine_label(engine, step_ms)}", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
