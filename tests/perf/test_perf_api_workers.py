@@ -69,23 +69,28 @@ def server() -> Iterator[RunningServer]:
         yield running
 
 
+async def _connect_each_frontend(port: int, channels: dict[int, Channel], spare: list[Channel]) -> None:
+    """New connections until both listeners got one: `channels` maps each serving pid to one of them."""
+    for _ in range(MAX_CHANNELS):
+        channel = Channel("127.0.0.1", port)
+        await EngineServiceStub(channel).GetLoad(info_pb2.GetLoadRequest(), timeout=TIMEOUT)
+        pid = _socket_owner(channel)
+        if pid in channels:
+            spare.append(channel)
+        else:
+            channels[pid] = channel
+        if len(channels) == 2:
+            return
+    raise AssertionError("the kernel gave every connection to one frontend")
+
+
 async def test_two_frontends_one_engine(server: RunningServer) -> None:
     channels: dict[int, Channel] = {}  # serving pid -> a channel it accepted
     spare: list[Channel] = []
     try:
         async with asyncio.timeout(TIMEOUT * 2):
-            # 1) Connections until both listeners got one; the same greedy request on each gives the same ids.
-            for _ in range(MAX_CHANNELS):
-                channel = Channel("127.0.0.1", server.port)
-                await EngineServiceStub(channel).GetLoad(info_pb2.GetLoadRequest(), timeout=TIMEOUT)
-                pid = _socket_owner(channel)
-                if pid in channels:
-                    spare.append(channel)
-                else:
-                    channels[pid] = channel
-                if len(channels) == 2:
-                    break
-            assert len(channels) == 2, "the kernel gave every connection to one frontend"
+            # 1) A connection to each frontend; the same greedy request on each gives the same ids.
+            await _connect_each_frontend(server.port, channels, spare)
             assert server.process.pid in channels  # the primary is one of them
             stubs = [EngineServiceStub(channel) for channel in channels.values()]
             first, second = [await _tokens(stub, "same-id", max_tokens=6) for stub in stubs]
@@ -120,6 +125,36 @@ async def test_two_frontends_one_engine(server: RunningServer) -> None:
             while await _num_running(stubs[0]) != 0:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
             assert await _num_running(stubs[1]) == 0
+    finally:
+        for channel in [*channels.values(), *spare]:
+            channel.close()
+
+
+async def test_abort_over_another_connection_reaches_the_other_frontend(server: RunningServer) -> None:
+    """A gateway aborts over a connection of its own: the kernel may have given it the other frontend."""
+    channels: dict[int, Channel] = {}
+    spare: list[Channel] = []
+    try:
+        async with asyncio.timeout(TIMEOUT * 2):
+            await _connect_each_frontend(server.port, channels, spare)
+            stubs = [EngineServiceStub(channel) for channel in channels.values()]
+            # Each frontend in turn runs the stream while the other one receives the Abort.
+            for owner, asker in (stubs, stubs[::-1]):
+                async with owner.Generate.open(timeout=TIMEOUT) as stream:
+                    await stream.send_message(_request("cross", max_tokens=1500), end=True)
+                    assert (await stream.recv_message()) is not None
+                    aborted = await asker.Abort(generate_pb2.AbortRequest(request_ids=["cross", "unknown"]),
+                                                timeout=TIMEOUT)
+                    assert list(aborted.aborted_request_ids) == ["cross"]
+                    finish = None
+                    async for response in stream:
+                        for chunk in response.completions:
+                            finish = chunk.finish_reason or finish
+                    assert finish == generate_pb2.FINISH_REASON_ABORT
+                # NOTE: polls a counter in another process (the core's next step reports it); bounded above.
+                while await _num_running(asker) != 0:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+                assert await _num_running(owner) == 0
     finally:
         for channel in [*channels.values(), *spare]:
             channel.close()

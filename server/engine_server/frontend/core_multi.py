@@ -3,6 +3,10 @@
 Request ids: frontend i's requests run in the engine as "i/<request_id>", so each frontend has its own slice
 of the id space (two clients may pick the same id on different frontends); the prefix is stripped on the way
 back.
+An Abort that reaches one frontend for a request another one runs (a client, or a gateway, aborting over a
+second connection: the kernel picks the frontend per connection) comes as an `AbortElsewhereCommand`: the core
+aborts the id in every other frontend's slice and replies with the ids it found; the owners' streams end with
+the engine's ABORT deltas.
 Every frontend gets its own deltas in one StepOutput per step, and the engine-wide stats whenever they change
 (GetLoad on any frontend describes the whole engine). A frontend that says shutdown or whose pipe closes is
 detached (its requests aborted); frontend 0 (the primary, which owns the core process) stops the core.
@@ -28,6 +32,7 @@ from engine_server.frontend.core_loop import embed_reply, exit_without_teardown
 from engine_server.frontend.messages import (
     AbortCommand,
     AbortCompletionsCommand,
+    AbortElsewhereCommand,
     AddCommand,
     CallReply,
     Command,
@@ -136,6 +141,10 @@ class _MultiCoreLoop:
             elif isinstance(command, AbortCompletionsCommand):
                 self._needs_step = True
                 engine.abort_completions([(prefix + request_id, i) for request_id, i in command.completions])
+            elif isinstance(command, AbortElsewhereCommand):
+                found = self._abort_elsewhere(index, command.request_ids)
+                self._needs_step = self._needs_step or bool(found)
+                self._conns[index].send(CallReply(command.call_id, found))
             elif isinstance(command, StatsCommand):
                 self._conns[index].send(CallReply(command.call_id, engine.stats()))
             elif isinstance(command, EmbedCommand):
@@ -146,6 +155,21 @@ class _MultiCoreLoop:
             else:  # ShutdownCommand from a worker: it is done
                 self._detach(index)
                 return
+
+    def _abort_elsewhere(self, index: int, request_ids: tuple[str, ...]) -> list[str]:
+        """Aborts the ids in every frontend's slice but `index`'s; returns those that were running, in order.
+
+        NOTE: `index` has aborted its own request of that id already. An id names one request per frontend,
+        and the id is all an Abort carries: each other frontend's namesake ends too.
+        """
+        wanted = dict.fromkeys(request_ids)
+        engine_ids = [f"{other}/{request_id}" for other, owned in self._owned.items() if other != index
+                      for request_id in wanted if f"{other}/{request_id}" in owned]
+        if not engine_ids:
+            return []
+        # NOTE: the engine leaves out ids it is aborting already (their owner aborted them first).
+        found = {engine_id.partition("/")[2] for engine_id in self._engine.abort(engine_ids)}
+        return [request_id for request_id in wanted if request_id in found]
 
     def _detach(self, index: int) -> None:
         conn = self._conns.pop(index, None)

@@ -45,6 +45,19 @@ class AbortCompletionsCommand:
 
 
 @dataclass(frozen=True, slots=True)
+class AbortElsewhereCommand:
+    """Shared core only (`--api-workers`): abort these ids on whichever other frontends run them.
+
+    The reply's result is the ids that were in flight there (`list[str]`); each owning frontend's stream ends
+    with the engine's ABORT deltas, as after a drain. NOTE: the single-frontend core does not know it: only a
+    shared-core handle (frontend/scale_out.py) sends it.
+    """
+
+    call_id: int
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class EmbedCommand:
     call_id: int
     inputs: list[list[int]]
@@ -61,7 +74,10 @@ class ShutdownCommand:
     pass
 
 
-Command = AddCommand | AbortCommand | AbortCompletionsCommand | EmbedCommand | StatsCommand | ShutdownCommand
+Command = (
+    AddCommand | AbortCommand | AbortCompletionsCommand | AbortElsewhereCommand | EmbedCommand | StatsCommand
+    | ShutdownCommand
+)
 
 
 # --- core -> frontend -------------------------------------------------------------------------

@@ -2,22 +2,25 @@
 
 The primary frontend starts the shared core (frontend/core_multi.py) with one pipe per frontend and gets an
 `AsyncEngine` on pipe 0; it hands the other pipes to its worker processes, which `attach_engine` to theirs.
-Everything above the pipe (detokenizer, stop strings, coalescing) is the ordinary AsyncEngine.
+Everything above the pipe (detokenizer, stop strings, coalescing) is the ordinary AsyncEngine; only `abort`
+reaches past its own frontend (`SharedCoreEngine`), since a client may abort over another connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from engine_server.engine.types import EngineDead
 from engine_server.frontend.async_engine import AsyncEngine
 from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
 from engine_server.frontend.core_multi import run_multi_core_process
 from engine_server.frontend.core_process import CoreClient, CoreGone, EngineLoadError, core_environment
-from engine_server.frontend.messages import LoadFailed, Ready
+from engine_server.frontend.messages import AbortElsewhereCommand, LoadFailed, Ready
+from engine_server.frontend.outputs import EngineState
 from engine_server.frontend.tokenizer import Tokenizer, TokenizerLoadError
 
 if TYPE_CHECKING:
@@ -28,7 +31,24 @@ if TYPE_CHECKING:
 BeforeShutdown = Callable[[float], Awaitable[None]]
 
 
-class PrimaryEngine(AsyncEngine):
+class SharedCoreEngine(AsyncEngine):
+    """A frontend's handle on the shared core: Abort also finds the requests the other frontends run."""
+
+    async def abort(self, request_ids: Sequence[str]) -> list[str]:
+        aborted = await super().abort(request_ids)
+        # NOTE: an id not in flight here may be on another frontend; only the core knows (a round trip).
+        done_here = set(aborted)
+        elsewhere = tuple(dict.fromkeys(rid for rid in request_ids if rid not in done_here))
+        if not elsewhere or self.state in (EngineState.FAILED, EngineState.STOPPED):
+            return aborted
+        try:
+            found: list[str] = await self._call(lambda call_id: AbortElsewhereCommand(call_id, elsewhere))
+        except EngineDead:
+            return aborted  # the core is gone: nothing runs anywhere any more
+        return aborted + found
+
+
+class PrimaryEngine(SharedCoreEngine):
     """The primary frontend's handle: on shutdown, the workers stop first (they share its core)."""
 
     _before_shutdown: BeforeShutdown | None = None
@@ -70,14 +90,14 @@ async def start_shared_core(
     return engine, [parent for parent, _ in pairs[1:]]
 
 
-async def attach_engine(conn: Connection, config: EngineConfig) -> AsyncEngine:
+async def attach_engine(conn: Connection, config: EngineConfig) -> SharedCoreEngine:
     """A worker frontend's handle on the shared core, over the pipe the primary gave it."""
-    return await _attach(conn, config, process=None, engine_cls=AsyncEngine)
+    return await _attach(conn, config, process=None, engine_cls=SharedCoreEngine)
 
 
 async def _attach(
-    conn: Connection, config: EngineConfig, *, process: BaseProcess | None, engine_cls: type[AsyncEngine]
-) -> AsyncEngine:
+    conn: Connection, config: EngineConfig, *, process: BaseProcess | None, engine_cls: type[SharedCoreEngine]
+) -> SharedCoreEngine:
     client = await CoreClient.connect(conn, process=process, thread=None)
     try:
         first = await client.recv()
