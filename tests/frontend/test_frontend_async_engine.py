@@ -15,6 +15,7 @@ from engine_server.engine.types import (
     SamplingParams,
 )
 from engine_server.frontend.async_engine import AsyncEngine
+from engine_server.frontend.messages import AbortElsewhereCommand
 from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest
 from engine_server.frontend.tokenizer import Tokenizer
 from fake_core import EOS_ID, NUM_BLOCKS, FakeCore, fake_config, fake_factory, fake_validate
@@ -315,6 +316,17 @@ async def test_embed_round_trip(fake_engine: AsyncEngine) -> None:
     assert vectors == [[2.0, 7.0, 1.0, 0.0], [1.0, 5.0, 1.0, 0.0]]
     with pytest.raises(RequestError, match="inputs"):
         await fake_engine.embed([[]], normalize=True)
+
+
+async def test_a_single_core_answers_abort_elsewhere_and_keeps_serving(
+    fake_engine: AsyncEngine, tokenizer: Tokenizer,
+) -> None:
+    # NOTE: only a shared-core handle sends this command; a single-frontend core must answer "none found"
+    # rather than take an unknown command for a shutdown.
+    async with asyncio.timeout(TIMEOUT):
+        found = await fake_engine._call(lambda call_id: AbortElsewhereCommand(call_id, ("nobody",)))
+    assert found == []
+    assert _text(await _collect(fake_engine, _request(tokenizer, "after", "still here"))) == "still here"
 
 
 async def test_drain_refuses_new_requests_and_shutdown_aborts_the_rest(

@@ -26,6 +26,7 @@ from engine_server.engine.types import (
 from engine_server.frontend.messages import (
     AbortCommand,
     AbortCompletionsCommand,
+    AbortElsewhereCommand,
     AddCommand,
     CallReply,
     Command,
@@ -170,6 +171,9 @@ class _CoreLoop:
                 self._conn.send(embed_reply(engine, command))
             elif isinstance(command, StatsCommand):
                 self._conn.send(CallReply(command.call_id, engine.stats()))
+            elif isinstance(command, AbortElsewhereCommand):
+                # A single frontend has no "elsewhere": nothing else runs requests on this core.
+                self._conn.send(CallReply(command.call_id, []))
             else:  # ShutdownCommand
                 return False
         return True

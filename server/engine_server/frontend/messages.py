@@ -2,7 +2,7 @@
 
 The frontend sends a tuple of commands per write (everything queued in one event-loop tick);
 the core answers with one `StepOutput` per step (all its deltas and a fresh stats snapshot),
-plus a `CallReply` for each embed/stats call.
+plus a `CallReply` for each call (embed, stats, abort-elsewhere).
 
 NOTE: plain dataclasses of engine vocabulary only: they are pickled across a process boundary.
 """
@@ -49,8 +49,8 @@ class AbortElsewhereCommand:
     """Shared core only (`--api-workers`): abort these ids on whichever other frontends run them.
 
     The reply's result is the ids that were in flight there (`list[str]`); each owning frontend's stream ends
-    with the engine's ABORT deltas, as after a drain. NOTE: the single-frontend core does not know it: only a
-    shared-core handle (frontend/scale_out.py) sends it.
+    with the engine's ABORT deltas, as after a drain. Only a shared-core handle (frontend/scale_out.py) sends
+    it; a single-frontend core answers it with an empty list (no other frontend exists).
     """
 
     call_id: int
