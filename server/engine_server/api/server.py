@@ -67,13 +67,15 @@ class EngineServer:
     """One server: `await start()`, then `await drain()` (graceful) or `await close()` (at once)."""
 
     def __init__(
-        self, config: ServerConfig, *, engine_config: EngineConfig, start_engine: EngineStarter
+        self, config: ServerConfig, *, engine_config: EngineConfig, start_engine: EngineStarter,
+        metrics: ServerMetrics | None = None,
     ) -> None:
         self.config = config
         self._engine_config = engine_config
         self._start_engine = start_engine
         self._engine: EngineHandle | None = None
-        self.metrics = ServerMetrics() if config.metrics_port is not None else None
+        # NOTE: `metrics` without a metrics_port: an --api-workers worker, which the primary scrapes.
+        self.metrics = metrics or (ServerMetrics() if config.metrics_port is not None else None)
         name = config.served_model_name or Path(engine_config.model).name
         self.servicer = EngineServicer(
             served_model_name=name, max_concurrent_streams=config.max_concurrent_streams, metrics=self.metrics
