@@ -1,5 +1,5 @@
 """Canary: the grpclib (0.4.x) and h2 internals the security layer hooks into. An upgrade that fails here
-needs api/security/{h2_guard,limits}.py revisited before anything else."""
+needs api/security/{h2_guard,limits,goaway}.py revisited before anything else."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import inspect
 import grpclib.server
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.stream import recv_message
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.events import ConnectionTerminated
 from h2.settings import SettingCodes, Settings
 
 
@@ -33,3 +36,29 @@ def test_h2_settings_internals() -> None:
     # h2_guard makes its MAX_CONCURRENT_STREAMS effective before the peer's ACK through Settings._settings.
     settings = Settings(client=False, initial_values={SettingCodes.MAX_CONCURRENT_STREAMS: 7})
     assert list(settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS]) == [7]
+
+
+def test_drain_internals() -> None:
+    # h2_guard's drain counts open streams through the release callable `register` returns, which grpclib's
+    # request handler calls once its stream is done.
+    assert "return release_stream" in inspect.getsource(EventsProcessor.register)
+    assert "release_stream()" in inspect.getsource(grpclib.server.request_handler)
+    # goaway.py: grpclib's client ends every open stream on any GOAWAY (hence no early GOAWAY for it, and the
+    # linger). A grpclib that stops doing so could get the early GOAWAY too.
+    assert "self.close(" in inspect.getsource(EventsProcessor.process_connection_terminated)
+
+
+def test_h2_goaway_names_the_last_stream_the_client_opened() -> None:
+    # The final drain GOAWAY relies on close_connection's default last_stream_id.
+    client = H2Connection(H2Configuration(client_side=True))
+    client.initiate_connection()
+    server = H2Connection(H2Configuration(client_side=False))
+    server.initiate_connection()
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authority", "a")]
+    for stream_id in (1, 3):
+        client.send_headers(stream_id, headers, end_stream=True)
+    server.receive_data(client.data_to_send())
+    server.close_connection()
+    events = client.receive_data(server.data_to_send())
+    (goaway,) = [e for e in events if isinstance(e, ConnectionTerminated)]
+    assert goaway.last_stream_id == 3

@@ -2,7 +2,8 @@
 
 1) listen (health NOT_SERVING, calls UNAVAILABLE) -> 2) start the engine -> 3) warm up with one tiny
 request -> 4) SERVING + ready file -> 5) drain on request: NOT_SERVING, new calls UNAVAILABLE, in-flight
-streams finish within the drain timeout, the rest are aborted (finish reason ABORT) -> 6) close.
+streams finish within the drain timeout, the rest are aborted (finish reason ABORT); each HTTP/2 connection
+gets GOAWAY(NO_ERROR) once it has no call open -> 6) close.
 """
 
 from __future__ import annotations
@@ -166,6 +167,9 @@ class EngineServer:
         timeout = self.config.drain_timeout_s
         self.servicer.begin_drain()
         self._check.refresh()
+        # HTTP/2 GOAWAY(NO_ERROR) to each connection once it has no call open (idle ones now), so clients
+        # open their next calls elsewhere instead of getting UNAVAILABLE here.
+        self._server.begin_drain()
         logger.info("draining: %d streams in flight, up to %.1f s", self.servicer.num_streams, timeout)
         engine = self._engine
         if engine is not None:

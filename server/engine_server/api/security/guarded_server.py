@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Collection
 from ssl import SSLContext
 from typing import Any
@@ -21,7 +22,8 @@ class GuardedServer(Server):
     """grpclib's Server whose connections are GuardedH2Protocols; `guard_stats` counts what they did.
 
     With `cert_reload` (cert_file, key_file, interval_s) and a TLS context passed to `start`, a rotated
-    certificate is reloaded into that context while the server runs.
+    certificate is reloaded into that context while the server runs. `begin_drain` sends every connection
+    GOAWAY(NO_ERROR) as soon as it has no stream open (h2_guard, 6); `close` begins it too.
     """
 
     def __init__(
@@ -37,6 +39,9 @@ class GuardedServer(Server):
         self.guard_stats = GuardStats()
         self._cert_reload = cert_reload
         self._cert_watch: asyncio.Task[None] | None = None
+        self._is_draining = False
+        # NOTE: weak: a closed connection's protocol goes away with its transport, nothing to unregister.
+        self._protocols: weakref.WeakSet[GuardedH2Protocol] = weakref.WeakSet()
 
     async def start(self, *args: Any, ssl: SSLContext | None = None, **kwargs: Any) -> None:
         await super().start(*args, ssl=ssl, **kwargs)
@@ -47,15 +52,27 @@ class GuardedServer(Server):
                 watcher.run(interval_s=interval_s), name="tls-certificate-watcher"
             )
 
+    def begin_drain(self) -> None:
+        """Idle connections get GOAWAY and close now, busy ones once their last stream has ended."""
+        self._is_draining = True
+        for protocol in list(self._protocols):
+            protocol.begin_drain()
+
     def close(self) -> None:
         if self._cert_watch is not None:
             self._cert_watch.cancel()
             self._cert_watch = None
+        # Before the handlers are cancelled: each connection then gets its GOAWAY as its cancelled
+        # handlers release their streams (grpclib's close alone leaves the connections open).
+        self.begin_drain()
         super().close()
 
     def _protocol_factory(self) -> H2Protocol:
         # Let grpclib build (and register) the handler, then rewrap it in our protocol.
         base = super()._protocol_factory()
-        return GuardedH2Protocol(
-            base.handler, base.config, base.h2_config, policy=self.policy, stats=self.guard_stats
+        protocol = GuardedH2Protocol(
+            base.handler, base.config, base.h2_config, policy=self.policy, stats=self.guard_stats,
+            is_draining=self._is_draining,
         )
+        self._protocols.add(protocol)
+        return protocol

@@ -14,6 +14,8 @@ grpclib sees it:
 4) SETTINGS, PRIORITY, unknown frames and WINDOW_UPDATEs not paid for by DATA we sent: a token bucket
    (`control_frame_burst`, `control_frame_rate_per_s`); empty -> GOAWAY.
 5) A connection without calls for `max_connection_idle_s` gets GOAWAY(NO_ERROR, "idle") and is closed.
+6) Drain (`begin_drain`): GOAWAY(NO_ERROR, "drain") and close once the connection has no stream open: at once
+   when idle, else when its last stream ends (see goaway.py for the early notice some clients get).
 The GOAWAYs of 1-4 are ENHANCE_YOUR_CALM with the reason as debug data; the connection is then closed (its
 calls are cancelled, which aborts their engine requests). Other connections are unaffected.
 """
@@ -29,7 +31,7 @@ from functools import partial
 from typing import cast
 
 from grpclib.config import Configuration
-from grpclib.protocol import AbstractHandler, EventsProcessor, H2Protocol, Stream
+from grpclib.protocol import AbstractHandler, Connection, EventsProcessor, H2Protocol, Stream
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
@@ -48,6 +50,11 @@ from h2.settings import SettingCodes
 
 from engine_server.api.security.budget import GuardStats, TokenBucket
 from engine_server.api.security.config import H2Policy
+from engine_server.api.security.goaway import (
+    drain_goaway_delay_s,
+    early_goaway_frame,
+    keeps_streams_on_goaway,
+)
 from engine_server.api.write_batch import BatchingTransport
 
 log = logging.getLogger(__name__)
@@ -63,8 +70,23 @@ class GuardedEventsProcessor(EventsProcessor):
 
     grpclib releases a stream in the `finally` of its handler coroutine; a task cancelled before its first
     step never runs that coroutine, so without this the stream (and its unacknowledged flow-control window)
-    would stay registered until the connection closes.
+    would stay registered until the connection closes. `on_release` runs after every release.
     """
+
+    def __init__(
+        self, handler: AbstractHandler, connection: Connection, *, on_release: Callable[[], None]
+    ) -> None:
+        super().__init__(handler, connection)
+        self._on_release = on_release
+
+    def register(self, stream: Stream) -> Callable[[], None]:
+        release = super().register(stream)
+
+        def release_and_notify() -> None:
+            release()
+            self._on_release()
+
+        return release_and_notify
 
     def process_stream_reset(self, event: StreamReset) -> None:
         stream = self.streams.get(event.stream_id)
@@ -81,6 +103,7 @@ class GuardedEventsProcessor(EventsProcessor):
         self.connection.stream_close_waiter.set()
         if not self.connection.is_closing():
             self.connection.ack(stream_id, stream.buffer.unacked_size())
+        self._on_release()
 
 
 class GuardedH2Protocol(H2Protocol):
@@ -94,12 +117,20 @@ class GuardedH2Protocol(H2Protocol):
         *,
         policy: H2Policy,
         stats: GuardStats,
+        is_draining: bool = False,
     ) -> None:
         super().__init__(handler, config, h2_config)
         self._policy = policy
         self._stats = stats
         self._is_closed = False
+        # NOTE: a connection accepted while draining starts with is_draining: it is served (its calls get
+        # UNAVAILABLE) and gets its GOAWAY when its first stream ends, not before it could ask anything.
+        self._is_draining = is_draining
+        self._user_agent: str | None = None  # of the first call: picks the drain notice (goaway.py)
+        self._last_stream_end: float | None = None
+        self._goaway_timer: asyncio.TimerHandle | None = None
         self._batching: BatchingTransport | None = None
+        self._transport: asyncio.Transport | None = None
         self._num_sends = 0  # HEADERS + DATA frames sent; a send resets the PING strikes
         self._sends_at_last_ping = 0
         self._last_ping_at: float | None = None
@@ -123,8 +154,11 @@ class GuardedH2Protocol(H2Protocol):
             # One send() per loop tick for all of the connection's streams, not one per frame.
             self._batching = BatchingTransport(cast(asyncio.Transport, transport), asyncio.get_running_loop())
             transport = self._batching
+        self._transport = cast(asyncio.Transport, transport)
         super().connection_made(transport)
-        self.processor = GuardedEventsProcessor(self.handler, self.connection)
+        self.processor = GuardedEventsProcessor(
+            self.handler, self.connection, on_release=self._stream_released
+        )
         self._apply_stream_limit()
         self.connection.flush()
         self._wrap_send_hooks()
@@ -225,6 +259,8 @@ class GuardedH2Protocol(H2Protocol):
                     return None
                 continue  # h2 already queued the ACK; grpclib does nothing more
             if isinstance(event, RequestReceived):
+                if self._user_agent is None:
+                    self._user_agent = _header(event.headers, "user-agent")
                 if event.stream_id in reset_ids:
                     # 2) opened and cancelled before we looked: no handler, no engine request.
                     dropped_ids.add(event.stream_id)
@@ -251,6 +287,44 @@ class GuardedH2Protocol(H2Protocol):
             if type(event) in known:
                 kept.append(event)
         return kept
+
+    def begin_drain(self) -> None:
+        """6) GOAWAY(NO_ERROR) and close now when no stream is open, else once the last one has ended."""
+        if self._is_draining or self._is_closed:
+            return
+        self._is_draining = True
+        if not hasattr(self, "processor"):
+            return  # not connected yet: served as a connection accepted while draining
+        if not self.processor.streams:
+            self._goaway_when_drained()
+        elif keeps_streams_on_goaway(self._user_agent) and self._transport is not None:
+            # Behind h2's back (its close_connection would end the open streams): flush what h2 queued
+            # first, so the frame lands between whole frames.
+            self.connection.flush()
+            self._transport.write(early_goaway_frame())
+
+    def _stream_released(self) -> None:
+        self._last_stream_end = time.monotonic()
+        if self._is_draining and not self.processor.streams:
+            # NOTE: never at once: a release runs in the handler task's `finally`, and closing cancels that
+            # task along with the connection's others.
+            self._goaway_when_drained()
+
+    def _goaway_when_drained(self, delay_s: float = 0.0) -> None:
+        if self._goaway_timer is None and not self._is_closed:
+            self._goaway_timer = asyncio.get_running_loop().call_later(delay_s, self._goaway_if_drained)
+
+    def _goaway_if_drained(self) -> None:
+        self._goaway_timer = None
+        if self._is_closed or self.processor.streams:
+            return  # a stream opened meanwhile: its release comes back here
+        delay_s = drain_goaway_delay_s(self._user_agent, last_stream_end=self._last_stream_end)
+        if delay_s > 0:
+            self._goaway_when_drained(delay_s)
+            return
+        # last_stream_id: h2's default, the highest stream the client opened (every one of them was answered).
+        self._send_goaway(ErrorCodes.NO_ERROR, "drain")
+        self._close("drain", flush=True)
 
     def _ping_allowed(self, now: float) -> bool:
         if self._num_sends != self._sends_at_last_ping:
@@ -295,3 +369,10 @@ class GuardedH2Protocol(H2Protocol):
         if self.connection.is_closing():
             return None
         return self.connection.get_peer().addr()
+
+
+def _header(headers: list[tuple[str, str]] | list[tuple[bytes, bytes]], name: str) -> str | None:
+    for key, value in headers:
+        if (key.decode("ascii", "replace") if isinstance(key, bytes) else key) == name:
+            return value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    return None
