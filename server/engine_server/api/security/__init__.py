@@ -38,7 +38,8 @@ Building blocks (usable on their own):
         it within receive_timeout_s -> DEADLINE_EXCEEDED.
     guarded_server.GuardedServer(handlers, *, policy=H2Policy(), cert_reload=None, **grpclib Server kwargs)
         PING flood / rapid reset / control-frame floods -> GOAWAY(ENHANCE_YOUR_CALM) + close; idle connections
-        -> GOAWAY(NO_ERROR) + close; see h2_guard.py.
+        -> GOAWAY(NO_ERROR) + close; see h2_guard.py. `.begin_drain()` (and `.close()`): each connection gets
+        GOAWAY(NO_ERROR, "drain") + close once no stream is open (goaway.py: early GOAWAY, linger).
 """
 
 from __future__ import annotations
