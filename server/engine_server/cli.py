@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     _count(net, "--port", default=50051, help="port (0: any free port; see --ready-file)")
     _count(
         net, "--max-concurrent-streams", default=1024,
-        help="Generate streams in flight (server-wide, and per HTTP/2 connection); beyond: "
-        "RESOURCE_EXHAUSTED",
+        help="Generate streams in flight on the whole server (every --api-workers process together) and "
+        "per HTTP/2 connection; beyond: RESOURCE_EXHAUSTED",
     )
     _size(
         net, "--max-receive-message-size", default="4MiB",
@@ -197,7 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
         ops, "--drain-timeout", default=30.0,
         help="seconds in-flight streams get to finish on SIGTERM before they are aborted",
     )
-    _count(ops, "--metrics-port", help="serve Prometheus metrics on this port (default: off)")
+    _count(
+        ops, "--metrics-port",
+        help="serve Prometheus metrics on this port (default: off); with --api-workers, one endpoint sums "
+        "every process's counters",
+    )
     ops.add_argument(
         "--ready-file",
         metavar="PATH",

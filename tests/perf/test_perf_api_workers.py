@@ -1,4 +1,7 @@
-"""engine-server --api-workers 2: two frontend processes on one port over one engine core process."""
+"""engine-server --api-workers 2: two frontend processes on one port over one engine core process.
+
+Server-wide, whichever process the kernel hands a connection to: the metrics endpoint and the stream limit.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import asyncio
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,10 +18,14 @@ import pytest
 from engine_proto.engine.v1 import generate_pb2, info_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from prometheus_client.parser import text_string_to_metric_families
 from serverproc import RunningServer, start_server
 
 TIMEOUT = 60.0
 MAX_CHANNELS = 32  # new connections until the kernel has handed some to each listener
+MAX_STREAMS = 4  # --max-concurrent-streams: small, so that the limit test fills it across both frontends
 
 
 def _request(request_id: str, *, max_tokens: int) -> generate_pb2.GenerateRequest:
@@ -65,7 +73,8 @@ async def _num_running(stub: EngineServiceStub) -> int:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    with start_server("--api-workers", "2", "--max-num-seqs", "8", "--drain-timeout", "5") as running:
+    with start_server("--api-workers", "2", "--max-num-seqs", "8", "--drain-timeout", "5",
+                      "--metrics-port", "0", "--max-concurrent-streams", str(MAX_STREAMS)) as running:
         yield running
 
 
@@ -156,6 +165,107 @@ async def test_abort_over_another_connection_reaches_the_other_frontend(server: 
                     await asyncio.sleep(0.05)
                 assert await _num_running(owner) == 0
     finally:
+        for channel in [*channels.values(), *spare]:
+            channel.close()
+
+
+def _scrape(server: RunningServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], list[float]]:
+    """Every sample of the metrics endpoint; a list per series, so a series reported twice shows."""
+    assert server.metrics_port is not None
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=TIMEOUT) as response:
+        body = response.read().decode()
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]] = {}
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            samples.setdefault((sample.name, tuple(sorted(sample.labels.items()))), []).append(sample.value)
+    return samples
+
+
+GENERATE_OK = ("engine_requests_total", (("code", "OK"), ("rpc", "Generate")))
+
+
+async def test_metrics_count_the_requests_of_every_frontend(server: RunningServer) -> None:
+    channels: dict[int, Channel] = {}
+    spare: list[Channel] = []
+    try:
+        async with asyncio.timeout(TIMEOUT * 2):
+            await _connect_each_frontend(server.port, channels, spare)
+            spare.extend(Channel("127.0.0.1", server.port) for _ in range(max(0, 4 - len(spare))))
+            before = await asyncio.to_thread(_scrape, server)
+            # Several requests on a connection of each frontend, and on every other connection opened.
+            stubs = [EngineServiceStub(channel) for channel in [*channels.values(), *spare]]
+            num_requests = 0
+            for round_index in range(3):
+                for index, stub in enumerate(stubs):
+                    assert len(await _tokens(stub, f"m-{round_index}-{index}", max_tokens=3)) == 3
+                    num_requests += 1
+            after = await asyncio.to_thread(_scrape, server)
+    finally:
+        for channel in [*channels.values(), *spare]:
+            channel.close()
+
+    def delta(name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+        return after[(name, labels)][0] - before.get((name, labels), [0.0])[0]
+
+    assert delta(*GENERATE_OK) == num_requests
+    assert delta("engine_generated_tokens_total") == 3 * num_requests
+    assert delta("engine_prompt_tokens_total") == 4 * num_requests
+    assert delta("engine_time_to_first_token_seconds_count") == num_requests
+    assert delta("engine_request_duration_seconds_bucket", (("le", "+Inf"),)) == num_requests
+    # NOTE: each series once: the engine's gauges come from the primary only, the rest is summed.
+    assert all(len(values) == 1 for values in after.values())
+    assert ("engine_num_running_requests", ()) in after
+    assert ("engine_kv_cache_usage_ratio", ()) in after
+
+
+async def _open_endless(stub: EngineServiceStub, request_id: str) -> Any:
+    """A Generate stream the server has admitted (its first message arrived)."""
+    stream = stub.Generate.open(timeout=TIMEOUT)
+    await stream.__aenter__()
+    await stream.send_message(_request(request_id, max_tokens=1500), end=True)
+    try:
+        assert (await stream.recv_message()) is not None
+    except BaseException:
+        await stream.__aexit__(None, None, None)
+        raise
+    return stream
+
+
+async def _assert_refused(stub: EngineServiceStub, request_id: str) -> None:
+    with pytest.raises(GRPCError) as caught:
+        await _open_endless(stub, request_id)
+    assert caught.value.status is Status.RESOURCE_EXHAUSTED
+
+
+async def test_stream_limit_holds_across_frontends(server: RunningServer) -> None:
+    channels: dict[int, Channel] = {}
+    spare: list[Channel] = []
+    streams: list[Any] = []
+    try:
+        async with asyncio.timeout(TIMEOUT * 2):
+            await _connect_each_frontend(server.port, channels, spare)
+            primary = EngineServiceStub(channels[server.process.pid])
+            worker = next(EngineServiceStub(c) for pid, c in channels.items() if pid != server.process.pid)
+            # 1) Half the limit on each frontend: the server is full, whichever process gets the next stream.
+            for index in range(MAX_STREAMS // 2):
+                streams.append(await _open_endless(primary, f"limit-p{index}"))
+                streams.append(await _open_endless(worker, f"limit-w{index}"))
+            await _assert_refused(primary, "limit-over-p")
+            await _assert_refused(worker, "limit-over-w")
+            # 2) A stream that ends on the primary frees a place for the worker.
+            abort = generate_pb2.AbortRequest(request_ids=["limit-p0"])
+            aborted = await primary.Abort(abort, timeout=TIMEOUT)
+            assert list(aborted.aborted_request_ids) == ["limit-p0"]
+            ended = streams.pop(0)
+            assert [response async for response in ended]  # its last message; then the handler has returned
+            await ended.__aexit__(None, None, None)
+            streams.append(await _open_endless(worker, "limit-w-again"))
+            await _assert_refused(primary, "limit-over-p-again")
+    finally:
+        for stream in streams:
+            await stream.cancel()
+            await stream.__aexit__(None, None, None)
         for channel in [*channels.values(), *spare]:
             channel.close()
 

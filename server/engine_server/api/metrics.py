@@ -2,7 +2,7 @@
 
 Requests by RPC and status come from grpclib's RecvRequest event (every service, including health and
 reflection); latency histograms and token counters from the Generate handler; load gauges are read at scrape
-time.
+time. With --api-workers the primary's endpoint adds in every worker's counters (api/worker_metrics.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from engine_server.api.worker_metrics import ServerWideCollector
+
 if TYPE_CHECKING:
     from grpclib.server import Server
+    from prometheus_client.core import Metric
 
     from engine_server.engine.types import EngineStats
 
@@ -71,6 +74,7 @@ class ServerMetrics:
         self._kv_usage = Gauge("engine_kv_cache_usage_ratio", "fraction of KV cache blocks in use",
                                registry=r)
         self._server: Any = None
+        self._workers: Callable[[], list[list[Metric]]] | None = None
 
     def request_timer(self) -> RequestTimer:
         return RequestTimer(self)
@@ -94,6 +98,10 @@ class ServerMetrics:
         self._running.set_function(field(lambda s: s.num_running))
         self._waiting.set_function(field(lambda s: s.num_waiting))
         self._kv_usage.set_function(field(lambda s: s.kv_cache_usage))
+
+    def add_workers(self, scrape: Callable[[], list[list[Metric]]]) -> None:
+        """--api-workers (primary): every scrape also reports what `scrape()` returns, one list per worker."""
+        self._workers = scrape
 
     def install(self, server: Server) -> None:
         """Count every call by method and final status."""
@@ -125,9 +133,14 @@ class ServerMetrics:
 
     def serve(self, *, host: str, port: int) -> int:
         """Start the HTTP exporter on a daemon thread; returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        served = CollectorRegistry(auto_describe=False)
+        served.register(ServerWideCollector(self.registry, self._scrape_workers))
+        server, _thread = start_http_server(port, addr=host, registry=served)
         self._server = server
         return int(server.server_port)
+
+    def _scrape_workers(self) -> list[list[Metric]]:
+        return [] if self._workers is None else self._workers()
 
     def close(self) -> None:
         if self._server is not None:

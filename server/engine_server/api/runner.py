@@ -30,7 +30,7 @@ async def serve(
     if server_config.api_workers > 1:
         from engine_server.api.workers import scale_out_starter
 
-        start_engine = scale_out_starter(server_config, engine_config, get_port=lambda: server.port,
+        start_engine = scale_out_starter(server_config, engine_config, get_server=lambda: server,
                                          engine_factory=engine_factory or default_engine_factory)
     else:
         start_engine = default_engine_starter(engine_config, in_process=server_config.in_process_engine,

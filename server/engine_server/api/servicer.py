@@ -17,6 +17,7 @@ import engine_server
 from engine_server.api import convert, responses
 from engine_server.api.errors import RequestFailed, ServerBusy, to_grpc_error
 from engine_server.api.fast_send import FastSender
+from engine_server.api.stream_limit import LocalStreamLimit
 from engine_server.engine.types import EngineDead
 from engine_server.frontend.outputs import EngineState
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
     from engine_server.api.handle import EngineHandle, OutputStream
     from engine_server.api.metrics import ServerMetrics
+    from engine_server.api.stream_limit import StreamLimit
     from engine_server.frontend.outputs import GenerateOutput, GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class EngineServicer(EngineServiceBase):
     ) -> None:
         self._engine: EngineHandle | None = None
         self._served_model_name = served_model_name
-        self._max_streams = max_concurrent_streams
+        self._stream_limit: StreamLimit = LocalStreamLimit(max_concurrent_streams)
         self._metrics = metrics
         self._limits = info_pb2.ServerLimits()
         self._started_at = time.monotonic()
@@ -63,6 +65,10 @@ class EngineServicer(EngineServiceBase):
     def attach(self, engine: EngineHandle, *, limits: info_pb2.ServerLimits) -> None:
         self._engine = engine
         self._limits = limits
+
+    def use_stream_limit(self, stream_limit: StreamLimit) -> None:
+        """--api-workers: the limit shared by every frontend process (before the server is ready)."""
+        self._stream_limit = stream_limit
 
     def set_ready(self) -> None:
         self._is_ready = True
@@ -122,15 +128,20 @@ class EngineServicer(EngineServiceBase):
     ) -> None:
         msg, engine = await self._receive(stream, rpc="Generate")
         request_id = msg.request_id
+        stream_limit = self._stream_limit
         try:
-            if self._num_streams >= self._max_streams:
-                raise ServerBusy(f"too many concurrent streams ({self._max_streams}); retry later")
+            if not stream_limit.try_acquire():
+                raise ServerBusy(f"too many concurrent streams ({stream_limit.limit}); retry later")
+        except Exception as exc:
+            raise to_grpc_error(exc, rpc="Generate", request_id=request_id) from None
+        try:
             request = convert.to_generate_request(
                 msg, tokenizer=engine.tokenizer, model_info=engine.model_info
             )
             request_id = request.request_id
             outputs = engine.generate(request)
         except Exception as exc:
+            stream_limit.release()
             raise to_grpc_error(exc, rpc="Generate", request_id=request_id) from None
         self._num_streams += 1
         self._idle.clear()
@@ -150,6 +161,7 @@ class EngineServicer(EngineServiceBase):
             logger.debug("Generate %s: cancelled (client, disconnect or deadline): aborted", request_id)
             raise
         finally:
+            stream_limit.release()
             self._num_streams -= 1
             if self._num_streams == 0:
                 self._idle.set()

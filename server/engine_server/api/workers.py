@@ -5,6 +5,10 @@ The primary (the process `engine-server` started) listens first, starts the shar
 its own pipe to the core. The kernel spreads new connections over the listeners. The primary writes the ready
 file once every worker serves. On SIGTERM the primary stops the workers first (each drains its own streams
 within --drain-timeout), then drains itself and stops the core.
+
+Server-wide, whichever process serves a connection: --max-concurrent-streams counts the streams of every
+frontend (api/stream_limit.py), and the primary's --metrics-port reports every frontend's counters, asking
+each worker over its status pipe at scrape time (api/worker_metrics.py).
 """
 
 from __future__ import annotations
@@ -22,13 +26,18 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from engine_server.api.stream_limit import SharedStreamLimitFile
+from engine_server.api.worker_metrics import WorkerScraper, answer_scrapes
 from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
+    from prometheus_client.core import Metric
+
     from engine_server.api.config import ServerConfig
     from engine_server.api.handle import EngineHandle
+    from engine_server.api.server import EngineServer
     from engine_server.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -43,6 +52,7 @@ class WorkerSpec:
     server_config: ServerConfig
     engine_config: EngineConfig
     log_level: str
+    stream_limit: SharedStreamLimitFile
 
     def __post_init__(self) -> None:
         if self.index < 1:
@@ -54,17 +64,18 @@ class WorkerPool:
 
     def __init__(self, processes: Sequence[BaseProcess], statuses: list[Connection]) -> None:
         self._processes = processes
-        self._statuses = statuses
+        self._statuses = statuses  # "ready" (or why not) from each worker; then its metrics on request
+        self._scrapers = [WorkerScraper(status, index=i) for i, status in enumerate(statuses, start=1)]
 
     @classmethod
     def spawn(cls, core_conns: list[Connection], *, port: int, server_config: ServerConfig,
-              engine_config: EngineConfig) -> WorkerPool:
+              engine_config: EngineConfig, stream_limit: SharedStreamLimitFile) -> WorkerPool:
         ctx = multiprocessing.get_context("spawn")
         level = logging.getLevelName(logging.getLogger("engine_server").getEffectiveLevel()).lower()
         processes, statuses = [], []
         for index, core_conn in enumerate(core_conns, start=1):
-            status, child_status = ctx.Pipe(duplex=False)
-            spec = WorkerSpec(index, port, server_config, engine_config, level)
+            status, child_status = ctx.Pipe(duplex=True)
+            spec = WorkerSpec(index, port, server_config, engine_config, level, stream_limit)
             process = ctx.Process(target=worker_main, args=(spec, core_conn, child_status),
                                   name=f"api-worker-{index}", daemon=True)
             process.start()
@@ -97,8 +108,12 @@ class WorkerPool:
             if process.is_alive():
                 process.kill()
                 await asyncio.to_thread(process.join, 5.0)
-        for status in self._statuses:
-            status.close()
+        for scraper in self._scrapers:
+            scraper.close()
+
+    def scrape(self) -> list[list[Metric]]:
+        """Every worker's metric families (its last answer where it does not answer now)."""
+        return [scraper.scrape() for scraper in self._scrapers]
 
     @property
     def pids(self) -> list[int]:
@@ -106,7 +121,7 @@ class WorkerPool:
 
 
 def scale_out_starter(
-    server_config: ServerConfig, engine_config: EngineConfig, *, get_port: Callable[[], int],
+    server_config: ServerConfig, engine_config: EngineConfig, *, get_server: Callable[[], EngineServer],
     engine_factory: EngineFactory = default_engine_factory,
 ) -> Callable[[], Awaitable[EngineHandle]]:
     """The primary's engine starter: shared core, then the workers (the primary already listens)."""
@@ -114,17 +129,26 @@ def scale_out_starter(
     async def start() -> EngineHandle:
         from engine_server.frontend.scale_out import start_shared_core
 
-        engine, conns = await start_shared_core(
-            engine_config, num_frontends=server_config.api_workers, engine_factory=engine_factory
-        )
-        pool = WorkerPool.spawn(conns, port=get_port(), server_config=server_config,
-                                engine_config=engine_config)
-        engine.set_before_shutdown(pool.stop)
+        server = get_server()
+        stream_limit = SharedStreamLimitFile.create(limit=server_config.max_concurrent_streams,
+                                                    num_frontends=server_config.api_workers)
         try:
-            await pool.wait_ready(timeout=WORKER_START_TIMEOUT_S)
-        except BaseException:
-            await engine.shutdown(timeout=0.0)
-            raise
+            server.servicer.use_stream_limit(stream_limit.open(0))
+            engine, conns = await start_shared_core(
+                engine_config, num_frontends=server_config.api_workers, engine_factory=engine_factory
+            )
+            pool = WorkerPool.spawn(conns, port=server.port, server_config=server_config,
+                                    engine_config=engine_config, stream_limit=stream_limit)
+            engine.set_before_shutdown(pool.stop)
+            try:
+                await pool.wait_ready(timeout=WORKER_START_TIMEOUT_S)
+            except BaseException:
+                await engine.shutdown(timeout=0.0)
+                raise
+        finally:
+            stream_limit.unlink()  # every frontend has it open by now (or the start failed)
+        if server.metrics is not None:
+            server.metrics.add_workers(pool.scrape)
         logger.info("%d api workers serving (pids %s)", len(conns), pool.pids)
         return engine
 
@@ -148,6 +172,7 @@ def worker_main(spec: WorkerSpec, core_conn: Connection, status: Connection) -> 
 
 
 async def _serve_worker(spec: WorkerSpec, core_conn: Connection, status: Connection) -> None:
+    from engine_server.api.metrics import ServerMetrics
     from engine_server.api.server import EngineServer
     from engine_server.frontend.scale_out import attach_engine
     from engine_server.gc_policy import freeze_startup_heap
@@ -157,7 +182,11 @@ async def _serve_worker(spec: WorkerSpec, core_conn: Connection, status: Connect
     async def start_engine() -> EngineHandle:
         return await attach_engine(core_conn, spec.engine_config)
 
-    server = EngineServer(config, engine_config=spec.engine_config, start_engine=start_engine)
+    # NOTE: metrics collected here, served by the primary (which asks over `status`), not on a port of ours.
+    metrics = ServerMetrics() if spec.server_config.metrics_port is not None else None
+    server = EngineServer(config, engine_config=spec.engine_config, start_engine=start_engine,
+                          metrics=metrics)
+    server.servicer.use_stream_limit(spec.stream_limit.open(spec.index))
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     try:
@@ -167,5 +196,7 @@ async def _serve_worker(spec: WorkerSpec, core_conn: Connection, status: Connect
         raise
     freeze_startup_heap()
     status.send("ready")
+    if metrics is not None:
+        answer_scrapes(status, metrics.registry, index=spec.index)
     await stop.wait()
     await server.drain()
