@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine_server.engine.loader import ModelInfo
+from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.types import EngineDead, EngineStats, FinishReason
 from engine_server.frontend.outputs import CompletionChunk, EngineState, GenerateOutput, GenerateRequest
 

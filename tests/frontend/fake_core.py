@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine_server.engine.config import EngineConfig
-from engine_server.engine.loader import ModelInfo
+from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.types import (
     CompletionDelta,
     EngineOverloaded,

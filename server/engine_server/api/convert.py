@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from engine_proto.engine.v1 import embed_pb2, generate_pb2, tokenize_pb2
 
     from engine_server.api.handle import TokenizerHandle
-    from engine_server.engine.loader import ModelInfo
+    from engine_server.engine.model_info import ModelInfo
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_N = 16

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine_server.engine.loader import ModelInfo
+    from engine_server.engine.model_info import ModelInfo
     from engine_server.engine.types import EngineStats
     from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest, OutputSink
 

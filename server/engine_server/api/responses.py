@@ -15,7 +15,7 @@ from engine_proto.engine.v1 import generate_pb2, info_pb2
 from engine_server.engine.types import FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
-    from engine_server.engine.loader import ModelInfo
+    from engine_server.engine.model_info import ModelInfo
     from engine_server.engine.types import EngineStats
     from engine_server.frontend.outputs import CompletionChunk, GenerateOutput
 

@@ -15,7 +15,8 @@ import torch
 
 from engine_server.engine.block_manager import BlockManager
 from engine_server.engine.config import EngineConfig
-from engine_server.engine.loader import LoadedModel, ModelInfo, load_model
+from engine_server.engine.loader import LoadedModel, load_model
+from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.model_runner import ModelRunner, StepLogits
 from engine_server.engine.sampler import Sampler, logprobs_of
 from engine_server.engine.scheduler import ScheduledSeq, Scheduler

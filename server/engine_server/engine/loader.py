@@ -1,4 +1,4 @@
-"""Loads a model from a local directory (never the hub) and describes it as a ModelInfo."""
+"""Loads a model from a local directory (never the hub) and describes it as a ModelInfo (`model_info.py`)."""
 
 from __future__ import annotations
 
@@ -11,32 +11,13 @@ from typing import Any
 import torch
 
 from engine_server.engine.config import EngineConfig
+from engine_server.engine.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What the frontend and the API layer need to know about the loaded model."""
-
-    model_path: str
-    architecture: str
-    task: str  # "generate" | "embed"
-    max_model_len: int
-    vocab_size: int
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int | None
-    dtype: str
-    device: str
-    embedding_dim: int | None
-    num_parameters: int
-    num_kv_blocks: int
-    block_size: int
 
 
 @dataclass(frozen=True, slots=True)

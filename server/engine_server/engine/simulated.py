@@ -26,7 +26,7 @@ from engine_server.engine.types import (
 
 if TYPE_CHECKING:
     from engine_server.engine.config import EngineConfig
-    from engine_server.engine.loader import ModelInfo
+    from engine_server.engine.model_info import ModelInfo
 
 _FIRST_ORDINARY_ID = 16  # below: special tokens in the embedded tiny model (bos, eos, pad, chat markers)
 
@@ -46,7 +46,8 @@ class SimulatedEngine:
     def __init__(self, config: EngineConfig, *, step_s: float) -> None:
         if step_s < 0:
             raise ValueError(f"step_s: must be >= 0, got {step_s}")
-        from engine_server.engine.loader import ModelInfo, read_json
+        from engine_server.engine.loader import read_json
+        from engine_server.engine.model_info import ModelInfo
 
         model_dir = Path(config.model)
         hf = read_json(model_dir / "config.json")

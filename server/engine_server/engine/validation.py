@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_server.engine.loader import ModelInfo
+from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.types import EngineRequest, RequestError, SamplingParams
 
 MAX_REQUEST_ID_LEN = 256

@@ -42,7 +42,7 @@ from engine_server.frontend.tokenizer import Tokenizer, TokenizerLoadError
 
 if TYPE_CHECKING:
     from engine_server.engine.config import EngineConfig
-    from engine_server.engine.loader import ModelInfo
+    from engine_server.engine.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from engine_server.engine.types import (
 )
 
 if TYPE_CHECKING:
-    from engine_server.engine.loader import ModelInfo
+    from engine_server.engine.model_info import ModelInfo
 
 
 # --- frontend -> core -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_server.engine.types import RequestError
+from engine_server.frontend.hf_tokenizer import load_hf_tokenizer
 
 
 class TokenizerLoadError(RuntimeError):
@@ -30,11 +31,9 @@ class Tokenizer:
     __slots__ = ("_hf", "backend", "bos_token_id", "eos_token_id", "path", "special_ids", "vocab_size")
 
     def __init__(self, path: str | Path) -> None:
-        from transformers import AutoTokenizer  # NOTE: heavy import, only when a tokenizer is loaded
-
         self.path = Path(path)
         try:
-            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            hf = load_hf_tokenizer(self.path)
         except (OSError, ValueError) as exc:
             raise TokenizerLoadError(f"cannot load a tokenizer from {str(path)!r}: {exc}") from exc
         backend = getattr(hf, "backend_tokenizer", None)
