@@ -40,15 +40,22 @@ class _BatchingChannel(Channel):
         return _BatchingProtocol(Handler(), self._config, self._h2_config)
 
 
-def grpc_sender(channel: Channel, *, prompt: int, output: int, tag: str) -> SendFn:
+def _request(i: int, *, prompt: int, output: int, tag: str, ids_only: bool) -> generate_pb2.GenerateRequest:
+    request = generate_pb2.GenerateRequest(request_id=f"{tag}-{i}", stream=True)
+    request.token_ids.ids.extend(prompt_ids(i, prompt))
+    request.sampling.temperature = 0.0
+    request.stopping.max_tokens = output
+    request.stopping.ignore_eos = True
+    if ids_only:  # a token-id-native client (a router that detokenizes itself): no text in the responses
+        request.output.return_text = False
+    return request
+
+
+def grpc_sender(channel: Channel, *, prompt: int, output: int, tag: str, ids_only: bool = False) -> SendFn:
     stub = EngineServiceStub(channel)
 
     async def send(i: int, trace: RequestTrace) -> None:
-        request = generate_pb2.GenerateRequest(request_id=f"{tag}-{i}", stream=True)
-        request.token_ids.ids.extend(prompt_ids(i, prompt))
-        request.sampling.temperature = 0.0
-        request.stopping.max_tokens = output
-        request.stopping.ignore_eos = True
+        request = _request(i, prompt=prompt, output=output, tag=tag, ids_only=ids_only)
         arrivals = trace.arrivals
         clock = time.perf_counter
         async with stub.Generate.open(timeout=REQUEST_TIMEOUT_S) as stream:
@@ -59,17 +66,14 @@ def grpc_sender(channel: Channel, *, prompt: int, output: int, tag: str) -> Send
     return send
 
 
-def h2_sender(conn: H2GrpcConnection, *, prompt: int, output: int, tag: str) -> SendFn:
+def h2_sender(conn: H2GrpcConnection, *, prompt: int, output: int, tag: str,
+              ids_only: bool = False) -> SendFn:
     """The default gRPC client: raw HTTP/2 frames (frontend_lib/h2_client.py) + upb parsing per message."""
     path = "/engine.v1.EngineService/Generate"
     parse = generate_pb2.GenerateResponse.FromString
 
     async def send(i: int, trace: RequestTrace) -> None:
-        request = generate_pb2.GenerateRequest(request_id=f"{tag}-{i}", stream=True)
-        request.token_ids.ids.extend(prompt_ids(i, prompt))
-        request.sampling.temperature = 0.0
-        request.stopping.max_tokens = output
-        request.stopping.ignore_eos = True
+        request = _request(i, prompt=prompt, output=output, tag=tag, ids_only=ids_only)
         arrivals = trace.arrivals
         clock = time.perf_counter
 
@@ -136,10 +140,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     conn: H2GrpcConnection | None = None
     if args.kind == "grpc" and args.grpc_client == "grpclib":
         channel = _BatchingChannel(args.host, args.port)
-        send = grpc_sender(channel, prompt=args.prompt, output=args.output, tag=args.tag)
+        send = grpc_sender(channel, prompt=args.prompt, output=args.output, tag=args.tag,
+                           ids_only=args.ids_only)
     elif args.kind == "grpc":
         conn = await H2GrpcConnection.connect(args.host, args.port)
-        send = h2_sender(conn, prompt=args.prompt, output=args.output, tag=args.tag)
+        send = h2_sender(conn, prompt=args.prompt, output=args.output, tag=args.tag, ids_only=args.ids_only)
     else:
         send = sse_sender(args.host, args.port, prompt=args.prompt, output=args.output)
     try:
@@ -172,6 +177,7 @@ def main() -> None:
     p.add_argument("--output", type=int, default=100)
     p.add_argument("--tag", default="bench")
     p.add_argument("--grpc-client", choices=("h2", "grpclib"), default="h2")
+    p.add_argument("--ids-only", action="store_true", help="gRPC: ask for token ids only (return_text=false)")
     p.add_argument("--trace-out", default=None, help="write each request's send time and TTFT here")
     args = p.parse_args()
     import uvloop
