@@ -29,6 +29,7 @@ from engine_server.api.metrics import ServerMetrics
 from engine_server.api.security import build_server
 from engine_server.api.security.metrics import register_guard_metrics
 from engine_server.api.servicer import EngineServicer
+from engine_server.api.stream_limit import LocalStreamLimit
 from engine_server.api.vllm_compat import VllmCompatOptions, VllmEngineServicer
 from engine_server.engine.types import SamplingParams
 from engine_server.frontend.outputs import GenerateRequest
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from engine_server.api.config import ServerConfig
     from engine_server.api.handle import EngineHandle
     from engine_server.api.security import GuardedServer
+    from engine_server.api.stream_limit import StreamLimit
     from engine_server.engine.config import EngineConfig
     from engine_server.frontend.core_loop import EngineFactory
 
@@ -87,6 +89,7 @@ class EngineServer:
             options=VllmCompatOptions(served_model_name=name, max_num_seqs=engine_config.max_num_seqs),
             is_ready=self._is_serving, metrics=self.metrics,
         )
+        self.use_stream_limit(LocalStreamLimit(config.max_concurrent_streams))
         handlers: list[Any] = [self.servicer, self.health, self.vllm_servicer]
         if config.enable_reflection:
             handlers = ServerReflection.extend(handlers)
@@ -98,6 +101,12 @@ class EngineServer:
         self.port = 0
         self.metrics_port: int | None = None
         self._monitor: asyncio.Task[None] | None = None
+
+    def use_stream_limit(self, stream_limit: StreamLimit) -> None:
+        """--max-concurrent-streams counts engine.v1 and vLLM Generate streams together, in one object
+        (--api-workers: shared by every frontend process); set before the engine is attached."""
+        self.servicer.use_stream_limit(stream_limit)
+        self.vllm_servicer.use_stream_limit(stream_limit)
 
     def _is_serving(self) -> bool:
         return self.servicer.state == info_pb2.ENGINE_STATE_SERVING

@@ -133,7 +133,7 @@ def scale_out_starter(
         stream_limit = SharedStreamLimitFile.create(limit=server_config.max_concurrent_streams,
                                                     num_frontends=server_config.api_workers)
         try:
-            server.servicer.use_stream_limit(stream_limit.open(0))
+            server.use_stream_limit(stream_limit.open(0))
             engine, conns = await start_shared_core(
                 engine_config, num_frontends=server_config.api_workers, engine_factory=engine_factory
             )
@@ -186,7 +186,7 @@ async def _serve_worker(spec: WorkerSpec, core_conn: Connection, status: Connect
     metrics = ServerMetrics() if spec.server_config.metrics_port is not None else None
     server = EngineServer(config, engine_config=spec.engine_config, start_engine=start_engine,
                           metrics=metrics)
-    server.servicer.use_stream_limit(spec.stream_limit.open(spec.index))
+    server.use_stream_limit(spec.stream_limit.open(spec.index))
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     try:

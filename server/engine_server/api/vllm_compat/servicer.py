@@ -13,8 +13,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
-from contextlib import aclosing
+from collections.abc import Callable, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,6 +36,7 @@ from .tokenizer_bundle import TokenizerBundle, build_tokenizer_bundle
 
 if TYPE_CHECKING:
     from engine_server.api.metrics import ServerMetrics
+    from engine_server.api.stream_limit import StreamLimit
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +75,11 @@ class VllmEngineServicer(VllmEngineBase):
         options: VllmCompatOptions | None = None,
         is_ready: Callable[[], bool] | None = None,
         metrics: ServerMetrics | None = None,
+        stream_limit: StreamLimit | None = None,
     ) -> None:
         self._options = options or VllmCompatOptions()
         self._metrics = metrics  # the server's Prometheus metrics: gateway calls count like engine.v1 ones
+        self._stream_limit = stream_limit  # --max-concurrent-streams, shared with engine.v1; None = no limit
         self._is_ready = is_ready  # the server's own readiness (e.g. warmed up, not draining)
         self._start_time = time.time()
         self._last_receive_time = 0.0
@@ -91,12 +94,32 @@ class VllmEngineServicer(VllmEngineBase):
         self._model_type = _model_type(engine.model_info.model_path)
         self._tokenizer_bundle = None
 
+    def use_stream_limit(self, stream_limit: StreamLimit) -> None:
+        """The count engine.v1 Generate admits against too (api/server.py), before the server is ready."""
+        self._stream_limit = stream_limit
+
     @property
     def _engine(self) -> EngineHandle:
         engine = self._engine_or_none
         if engine is None:
             raise GRPCError(Status.UNAVAILABLE, "the model is still loading")
         return engine
+
+    @contextmanager
+    def _stream_slot(self) -> Iterator[None]:
+        """One stream of --max-concurrent-streams for the body, however it ends (end, error, cancel)."""
+        stream_limit = self._stream_limit
+        if stream_limit is None:
+            yield
+            return
+        if not stream_limit.try_acquire():
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED, f"too many concurrent streams ({stream_limit.limit}); retry later"
+            )
+        try:
+            yield
+        finally:
+            stream_limit.release()
 
     # --- generation ---------------------------------------------------------------------------------
 
@@ -106,7 +129,9 @@ class VllmEngineServicer(VllmEngineBase):
             raise GRPCError(Status.INVALID_ARGUMENT, "empty request")
         self._last_receive_time = time.time()
         engine = self._engine
-        with grpc_status("Generate", request.request_id):
+        # NOTE: the slot is taken before the request is looked at (an overloaded server refuses cheaply) and
+        # given back only once the engine stream (aclosing below) is closed.
+        with grpc_status("Generate", request.request_id), self._stream_slot():
             generate_request = generate_request_from_proto(
                 request, tokenizer=engine.tokenizer, max_model_len=engine.model_info.max_model_len
             )
