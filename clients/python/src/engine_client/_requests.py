@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from engine_proto.engine.v1 import embed_pb2, generate_pb2, tokenize_pb2
+from google.protobuf.message import Message
 
 from .params import GenerateParams, merge_params
 
@@ -31,6 +33,29 @@ def _one_input(prompt: object, token_ids: object, messages: object) -> None:
         raise ValueError("pass exactly one of prompt (text), token_ids or messages")
 
 
+def _knobs(message: type[Message], names: tuple[str, ...]) -> tuple[tuple[str, bool], ...]:
+    fields = message.DESCRIPTOR.fields_by_name
+    return tuple((name, fields[name].has_presence) for name in names)
+
+
+# The GenerateParams knobs each sub-message carries (named alike in the contract), with whether the field has
+# presence (``optional``): a field without it (min_tokens, stop, ignore_eos, ...) cannot tell its zero value
+# from unset on the wire, so sending a zero there would only create an empty sub-message.
+_SAMPLING_KNOBS = _knobs(generate_pb2.SamplingParams, (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "seed", "logit_bias", "n"))
+_STOPPING_KNOBS = _knobs(generate_pb2.StoppingCriteria, (
+    "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_string"))
+_OUTPUT_KNOBS = _knobs(generate_pb2.OutputOptions, (
+    "logprobs", "prompt_logprobs", "return_text", "skip_special_tokens"))
+
+
+def _knobs_to_send(params: GenerateParams, knobs: tuple[tuple[str, bool], ...]) -> dict[str, Any]:
+    """The knobs that are set: not None, and not zero or empty where the field has no presence."""
+    return {name: value for name, has_presence in knobs
+            if (value := getattr(params, name)) is not None and (has_presence or value)}
+
+
 def build_generate_request(
     prompt: str | None,
     *,
@@ -42,7 +67,18 @@ def build_generate_request(
 ) -> generate_pb2.GenerateRequest:
     """Build a GenerateRequest; every knob left at None stays unset (the server's default)."""
     _one_input(prompt, token_ids, messages)
-    req = generate_pb2.GenerateRequest(request_id=request_id, stream=stream)
+    sampling = _knobs_to_send(params, _SAMPLING_KNOBS)
+    stopping = _knobs_to_send(params, _STOPPING_KNOBS)
+    output = _knobs_to_send(params, _OUTPUT_KNOBS)
+    # NOTE: None leaves a field unset; a sub-message is built only when one of its knobs is sent.
+    req = generate_pb2.GenerateRequest(
+        request_id=request_id,
+        stream=stream,
+        add_special_tokens=params.add_special_tokens,
+        sampling=generate_pb2.SamplingParams(**sampling) if sampling else None,
+        stopping=generate_pb2.StoppingCriteria(**stopping) if stopping else None,
+        output=generate_pb2.OutputOptions(**output) if output else None,
+    )
     if token_ids is not None:
         if len(token_ids) == 0:
             raise ValueError("token_ids must not be empty")
@@ -51,57 +87,6 @@ def build_generate_request(
         _fill_chat(req.chat, messages, params.add_generation_prompt)
     else:
         req.text = prompt  # type: ignore[assignment]  # _one_input guarantees a str here
-    p = params
-    if p.add_special_tokens is not None:
-        req.add_special_tokens = p.add_special_tokens
-    # NOTE: touch a sub-message only when one of its fields is set, so unset stays unset on the wire.
-    if (p.temperature is not None or p.top_p is not None or p.top_k is not None or p.min_p is not None
-            or p.repetition_penalty is not None or p.presence_penalty is not None
-            or p.frequency_penalty is not None or p.seed is not None or p.logit_bias or p.n is not None):
-        s = req.sampling
-        if p.temperature is not None:
-            s.temperature = p.temperature
-        if p.top_p is not None:
-            s.top_p = p.top_p
-        if p.top_k is not None:
-            s.top_k = p.top_k
-        if p.min_p is not None:
-            s.min_p = p.min_p
-        if p.repetition_penalty is not None:
-            s.repetition_penalty = p.repetition_penalty
-        if p.presence_penalty is not None:
-            s.presence_penalty = p.presence_penalty
-        if p.frequency_penalty is not None:
-            s.frequency_penalty = p.frequency_penalty
-        if p.seed is not None:
-            s.seed = p.seed
-        if p.logit_bias:
-            s.logit_bias.update(p.logit_bias)
-        if p.n is not None:
-            s.n = p.n
-    if (p.max_tokens is not None or p.min_tokens or p.stop or p.stop_token_ids or p.ignore_eos
-            or p.include_stop_string):
-        st = req.stopping
-        if p.max_tokens is not None:
-            st.max_tokens = p.max_tokens
-        st.min_tokens = p.min_tokens
-        if p.stop:
-            st.stop.extend(p.stop)
-        if p.stop_token_ids:
-            st.stop_token_ids.extend(p.stop_token_ids)
-        st.ignore_eos = p.ignore_eos
-        st.include_stop_string = p.include_stop_string
-    if (p.logprobs is not None or p.prompt_logprobs is not None or p.return_text is not None
-            or p.skip_special_tokens is not None):
-        o = req.output
-        if p.logprobs is not None:
-            o.logprobs = p.logprobs
-        if p.prompt_logprobs is not None:
-            o.prompt_logprobs = p.prompt_logprobs
-        if p.return_text is not None:
-            o.return_text = p.return_text
-        if p.skip_special_tokens is not None:
-            o.skip_special_tokens = p.skip_special_tokens
     return req
 
 
