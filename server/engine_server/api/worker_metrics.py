@@ -10,7 +10,8 @@ same families `collect()` yields) and merges them into its own:
 NOTE: sums, not a per-process label: which process the kernel hands a connection to is an accident an
 operator cannot act on, and per-process series would multiply every query by N. A worker that does not
 answer in time (or has died) counts with its last answer, so no sum ever goes down (Prometheus would read
-a drop as a counter reset).
+a drop as a counter reset). The workers are asked at once (`scrape_all`), so a scrape lasts about one
+`SCRAPE_TIMEOUT_S` however many of them do not answer.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
 from prometheus_client import CollectorRegistry
@@ -31,7 +33,7 @@ from prometheus_client.samples import Sample
 
 logger = logging.getLogger(__name__)
 
-SCRAPE_TIMEOUT_S = 2.0  # per worker; Prometheus' own scrape timeout defaults to 10 s
+SCRAPE_TIMEOUT_S = 2.0  # per scrape, every worker at once; Prometheus' own scrape timeout defaults to 10 s
 _SUMMED_TYPES = frozenset({"counter", "histogram", "summary"})
 
 _SampleKey = tuple[str, tuple[tuple[str, str], ...]]
@@ -103,13 +105,18 @@ class WorkerScraper:
         self._is_closed = False
 
     def scrape(self, *, timeout: float = SCRAPE_TIMEOUT_S) -> list[Metric]:
-        with self._lock:
+        deadline = time.monotonic() + timeout
+        # NOTE: waiting for an overlapping scrape's question counts against this scrape's timeout too.
+        if not self._lock.acquire(timeout=timeout):
+            logger.debug("api worker %d: still asked by another scrape; reporting its last", self._index)
+            return self._last
+        try:
             if self._is_closed:
                 return self._last
             self._seq += 1
             try:
                 self._conn.send(self._seq)
-                text = self._answer(timeout)
+                text = self._answer(deadline)
                 if text is not None:
                     self._last = list(text_string_to_metric_families(text))  # type: ignore[no-untyped-call]
                     return self._last
@@ -119,9 +126,10 @@ class WorkerScraper:
                 logger.warning("api worker %d: unreadable metrics answer", self._index, exc_info=True)
             logger.debug("api worker %d: no metrics answer; reporting its last", self._index)
             return self._last
+        finally:
+            self._lock.release()
 
-    def _answer(self, timeout: float) -> str | None:
-        deadline = time.monotonic() + timeout
+    def _answer(self, deadline: float) -> str | None:
         while self._conn.poll(max(0.0, deadline - time.monotonic())):
             answer = self._conn.recv()
             if isinstance(answer, tuple) and answer[0] == self._seq:
@@ -132,6 +140,18 @@ class WorkerScraper:
         with self._lock:
             self._is_closed = True
             self._conn.close()
+
+
+def scrape_all(scrapers: Sequence[WorkerScraper], *, timeout: float = SCRAPE_TIMEOUT_S) -> list[list[Metric]]:
+    """Every worker's families (its last ones where it does not answer), the workers asked at once.
+
+    NOTE: one thread per worker for the length of one scrape: asked one after another, N-1 unresponsive
+    workers would hold a scrape for N-1 timeouts, and Prometheus would give up on the whole target.
+    """
+    if len(scrapers) < 2:
+        return [scraper.scrape(timeout=timeout) for scraper in scrapers]
+    with ThreadPoolExecutor(max_workers=len(scrapers), thread_name_prefix="api-worker-scrape") as pool:
+        return list(pool.map(lambda scraper: scraper.scrape(timeout=timeout), scrapers))
 
 
 def answer_scrapes(conn: Connection, registry: CollectorRegistry, *, index: int) -> threading.Thread:

@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from engine_server.api.stream_limit import SharedStreamLimitFile
-from engine_server.api.worker_metrics import WorkerScraper, answer_scrapes
+from engine_server.api.worker_metrics import WorkerScraper, answer_scrapes, scrape_all
 from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class WorkerPool:
 
     def scrape(self) -> list[list[Metric]]:
         """Every worker's metric families (its last answer where it does not answer now)."""
-        return [scraper.scrape() for scraper in self._scrapers]
+        return scrape_all(self._scrapers)
 
     @property
     def pids(self) -> list[int]:
