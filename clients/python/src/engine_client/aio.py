@@ -27,8 +27,8 @@ from ._requests import (
     build_generate_call,
     build_tokenize_request,
 )
-from .errors import UnavailableError
-from .options import DEFAULT_TARGET, ConnectionOptions, TLSConfig, fits, remaining, with_overrides
+from ._retry import Attempts
+from .options import DEFAULT_TARGET, ConnectionOptions, TLSConfig, with_overrides
 from .params import GenerateOptions, GenerateParams
 from .types import (
     EmbedResult,
@@ -147,15 +147,14 @@ class AsyncEngineClient:
     async def _unary(self, method: UnaryUnaryMethod[_Req, _Resp], request: _Req,
                      timeout: float | None) -> _Resp:
         # Every unary RPC of the contract is safe to repeat, so UNAVAILABLE is retried with backoff.
-        deadline = self.options.deadline(timeout)
-        delays = self.options.retry.delays()
+        attempts = Attempts(self.options, timeout)
         while True:
             try:
-                return await method(request, timeout=remaining(deadline), metadata=self._metadata)
+                return await method(request, timeout=attempts.timeout(), metadata=self._metadata)
             except TRANSPORT_ERRORS as exc:
                 error = translate(exc)
-                delay = next(delays, None) if isinstance(error, UnavailableError) else None
-                if delay is None or not fits(deadline, delay):
+                delay = attempts.backoff(error)
+                if delay is None:
                     raise error from exc
             await asyncio.sleep(delay)
 
@@ -175,13 +174,12 @@ class AsyncEngineClient:
 
     async def _generate(self, request: object, request_id: str, timeout: float | None
                         ) -> AsyncIterator[GenerateChunk]:
-        deadline = self.options.deadline(timeout)
-        delays = self.options.retry.delays()
+        attempts = Attempts(self.options, timeout)
         while True:
             received = False
             try:
                 method = self.stub.Generate
-                async with method.open(timeout=remaining(deadline), metadata=self._metadata) as call:
+                async with method.open(timeout=attempts.timeout(), metadata=self._metadata) as call:
                     await call.send_message(request, end=True)  # type: ignore[arg-type]
                     async for response in call:
                         received = True
@@ -191,9 +189,8 @@ class AsyncEngineClient:
             except TRANSPORT_ERRORS as exc:
                 error = translate(exc, request_id=request_id)
                 # NOTE: never re-run a Generate that already produced output: the caller saw those tokens.
-                retry = isinstance(error, UnavailableError) and not received
-                delay = next(delays, None) if retry else None
-                if delay is None or not fits(deadline, delay):
+                delay = attempts.backoff(error, is_repeatable=not received)
+                if delay is None:
                     raise error from exc
             await asyncio.sleep(delay)
 

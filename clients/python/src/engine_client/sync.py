@@ -23,9 +23,9 @@ from ._requests import (
     build_generate_call,
     build_tokenize_request,
 )
+from ._retry import Attempts
 from ._sync_transport import open_channel, translate
-from .errors import UnavailableError
-from .options import DEFAULT_TARGET, ConnectionOptions, TLSConfig, fits, remaining, with_overrides
+from .options import DEFAULT_TARGET, ConnectionOptions, TLSConfig, with_overrides
 from .params import GenerateOptions, GenerateParams
 from .types import (
     EmbedResult,
@@ -134,15 +134,14 @@ class EngineClient:
 
     def _unary(self, method: Callable[..., _Resp], request: _Req, timeout: float | None) -> _Resp:
         # Every unary RPC of the contract is safe to repeat, so UNAVAILABLE is retried with backoff.
-        deadline = self.options.deadline(timeout)
-        delays = self.options.retry.delays()
+        attempts = Attempts(self.options, timeout)
         while True:
             try:
-                return method(request, timeout=remaining(deadline), metadata=self._metadata)
+                return method(request, timeout=attempts.timeout(), metadata=self._metadata)
             except grpc.RpcError as exc:
                 error = translate(exc)
-                delay = next(delays, None) if isinstance(error, UnavailableError) else None
-                if delay is None or not fits(deadline, delay):
+                delay = attempts.backoff(error)
+                if delay is None:
                     raise error from exc
             time.sleep(delay)
 
@@ -162,11 +161,10 @@ class EngineClient:
 
     def _generate(self, request: generate_pb2.GenerateRequest, request_id: str, timeout: float | None
                   ) -> Iterator[GenerateChunk]:
-        deadline = self.options.deadline(timeout)
-        delays = self.options.retry.delays()
+        attempts = Attempts(self.options, timeout)
         while True:
             received = False
-            call = self.stub.Generate(request, timeout=remaining(deadline), metadata=self._metadata)
+            call = self.stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata)
             try:
                 for response in call:
                     received = True
@@ -175,9 +173,8 @@ class EngineClient:
             except grpc.RpcError as exc:
                 error = translate(exc, request_id=request_id)
                 # NOTE: never re-run a Generate that already produced output: the caller saw those tokens.
-                retry = isinstance(error, UnavailableError) and not received
-                delay = next(delays, None) if retry else None
-                if delay is None or not fits(deadline, delay):
+                delay = attempts.backoff(error, is_repeatable=not received)
+                if delay is None:
                     raise error from exc
             finally:
                 # Closing the generator early (break, GC, exception) lands here: cancel = abort on the server.
