@@ -179,15 +179,18 @@ class EngineServer:
         # HTTP/2 GOAWAY(NO_ERROR) to each connection once it has no call open (idle ones now), so clients
         # open their next calls elsewhere instead of getting UNAVAILABLE here.
         self._server.begin_drain()
-        logger.info("draining: %d streams in flight, up to %.1f s", self.servicer.num_streams, timeout)
+        logger.info("draining: %d streams in flight, up to %.1f s",
+                    self.servicer.num_streams + self.vllm_servicer.num_streams, timeout)
         engine = self._engine
         if engine is not None:
             engine.begin_drain()
             # NOTE: shutdown waits for in-flight requests, aborts what is left at the timeout (their streams
             # end with finish reason ABORT), then stops the engine core.
             await engine.shutdown(timeout=timeout)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.servicer.wait_idle(), _HANDLER_GRACE_S)
+        with contextlib.suppress(TimeoutError):  # both services' Generate handlers send their last messages
+            await asyncio.wait_for(
+                asyncio.gather(self.servicer.wait_idle(), self.vllm_servicer.wait_idle()), _HANDLER_GRACE_S
+            )
         await self.close()
 
     async def close(self) -> None:

@@ -84,6 +84,10 @@ class VllmEngineServicer(VllmEngineBase):
         self._start_time = time.time()
         self._last_receive_time = 0.0
         self._engine_or_none: EngineHandle | None = None
+        # NOTE: drain waits for the Generate handlers to return (their last message sent) before closing.
+        self._num_streams = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._model_type = ""
         self._tokenizer_bundle: TokenizerBundle | None = None
         if engine is not None:
@@ -97,6 +101,14 @@ class VllmEngineServicer(VllmEngineBase):
     def use_stream_limit(self, stream_limit: StreamLimit) -> None:
         """The count engine.v1 Generate admits against too (api/server.py), before the server is ready."""
         self._stream_limit = stream_limit
+
+    @property
+    def num_streams(self) -> int:
+        return self._num_streams
+
+    async def wait_idle(self) -> None:
+        """Until every Generate handler has returned."""
+        await self._idle.wait()
 
     @property
     def _engine(self) -> EngineHandle:
@@ -129,6 +141,16 @@ class VllmEngineServicer(VllmEngineBase):
             raise GRPCError(Status.INVALID_ARGUMENT, "empty request")
         self._last_receive_time = time.time()
         engine = self._engine
+        self._num_streams += 1
+        self._idle.clear()
+        try:
+            await self._generate(stream, request, engine)
+        finally:
+            self._num_streams -= 1
+            if self._num_streams == 0:
+                self._idle.set()
+
+    async def _generate(self, stream: RpcStream, request: pb.GenerateRequest, engine: EngineHandle) -> None:
         # NOTE: the slot is taken before the request is looked at (an overloaded server refuses cheaply) and
         # given back only once the engine stream (aclosing below) is closed.
         with grpc_status("Generate", request.request_id), self._stream_slot():
