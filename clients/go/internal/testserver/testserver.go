@@ -193,6 +193,23 @@ func (s *Server) Stop() {
 	_ = os.RemoveAll(s.dir)
 }
 
+// Terminate sends SIGTERM (the server drains, then exits) and returns at once; WaitExit waits for the exit.
+func (s *Server) Terminate() {
+	if s.cmd.Process != nil {
+		terminate(s.cmd.Process)
+	}
+}
+
+// WaitExit waits (at most timeout) for the server process to end and returns its exit code.
+func (s *Server) WaitExit(timeout time.Duration) (int, error) {
+	select {
+	case <-s.exited:
+		return s.cmd.ProcessState.ExitCode(), nil
+	case <-time.After(timeout):
+		return -1, fmt.Errorf("testserver: the server still runs after %s", timeout)
+	}
+}
+
 // Exited reports whether the server process has ended.
 func (s *Server) Exited() bool {
 	select {
