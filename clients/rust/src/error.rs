@@ -80,6 +80,20 @@ impl From<tonic::Status> for Error {
         if status.code() == Code::Cancelled && status.message() == tonic::TimeoutExpired(()).to_string() {
             return Error::Status(tonic::Status::deadline_exceeded(status.message()));
         }
+        // NOTE: a call that hyper dropped unsent because its connection was going away (a GOAWAY, as a draining
+        // server sends, arrived while another stream kept the connection open) comes back as CANCELLED with the
+        // transport error as source: the server never saw it, so it is a connection failure, UNAVAILABLE, and
+        // safe to retry (tonic reconnects for the next call).
+        if status.code() == Code::Cancelled
+            && std::error::Error::source(&status).is_some_and(|source| source.is::<tonic::transport::Error>())
+        {
+            // The new status cannot carry the source along: its messages go into the text instead.
+            return Error::Status(tonic::Status::unavailable(format!(
+                "{}{}",
+                status.message(),
+                causes(&status)
+            )));
+        }
         Error::Status(status)
     }
 }
@@ -97,5 +111,18 @@ mod tests {
         assert_eq!(err.code(), Code::DeadlineExceeded);
         assert_eq!(Error::from(tonic::Status::cancelled("by peer")).code(), Code::Cancelled);
         assert!(Error::from(tonic::Status::unavailable("draining")).is_retryable());
+    }
+
+    #[test]
+    fn call_dropped_by_the_transport_is_unavailable() {
+        let transport = tonic::transport::Endpoint::from_shared("not a uri").expect_err("a bad uri");
+        let mut status = tonic::Status::cancelled("operation was canceled");
+        status.set_source(std::sync::Arc::new(transport));
+        let err = Error::from(status);
+        assert_eq!(err.code(), Code::Unavailable);
+        assert!(err.is_retryable());
+        assert!(err.to_string().contains("invalid URI"), "the cause is kept in the message: {err}");
+        // A CANCELLED the server sent has no transport error behind it and stays what it is.
+        assert_eq!(Error::from(tonic::Status::cancelled("by peer")).code(), Code::Cancelled);
     }
 }

@@ -4,6 +4,7 @@
 //! once, concurrently, and shared by cases that run one after another. `cargo test -- NAME` runs the cases
 //! whose name contains NAME (and starts only the servers they need).
 
+mod cases_drain;
 mod cases_generate;
 mod cases_security;
 mod cases_unary;
@@ -43,6 +44,8 @@ pub enum Srv {
 pub struct Ctx {
     servers: Vec<(Srv, ServerProcess)>,
     pub certs: Certs,
+    /// A folder for what a case makes of its own (a dedicated server's files); removed after the run.
+    pub workdir: PathBuf,
 }
 
 impl Ctx {
@@ -77,7 +80,7 @@ impl Ctx {
             );
             servers.push((which, server));
         }
-        Ctx { servers, certs }
+        Ctx { servers, certs, workdir }
     }
 
     fn stop(&self) {
@@ -148,6 +151,7 @@ fn all_cases() -> Vec<Case> {
         case!(cases_generate::abort_by_id, &[Plain]),
         case!(cases_generate::cancel_by_drop, &[Plain]),
         case!(cases_generate::deadline_exceeded, &[Plain]),
+        case!(cases_drain::stream_survives_server_drain, &[]),
         case!(cases_unary::embed, &[Embed]),
         case!(cases_unary::generate_on_embedding_model_is_invalid, &[Embed]),
         case!(cases_security::tls_with_api_key, &[Secure]),

@@ -2,7 +2,7 @@
 //! SIGTERM (then SIGKILL) when dropped.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -120,6 +120,20 @@ impl ServerProcess {
         let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
         if matches!(child.try_wait(), Ok(None)) {
             let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+        }
+    }
+
+    /// Waits (at most `timeout`) for the server to exit on its own, after [`ServerProcess::terminate`]; `None`
+    /// if it still runs then.
+    pub async fn wait_exit(&self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let status =
+                self.child.lock().unwrap_or_else(|e| e.into_inner()).try_wait().expect("poll server");
+            if status.is_some() || Instant::now() > deadline {
+                return status;
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
         }
     }
 
