@@ -273,30 +273,32 @@ async def test_before_the_engine_is_attached() -> None:
 
 async def test_wait_idle_returns_once_every_generate_handler_has(engine: FakeEngine) -> None:
     """What a drain waits for before it closes the server: no gateway stream cut before its last message."""
+    from engine_server.api.in_flight import InFlight
     from engine_server.api.vllm_compat import VllmEngineServicer
     from grpclib.client import Channel
     from grpclib.server import Server
 
     engine.delay = 0.01
-    servicer = VllmEngineServicer(engine)
+    in_flight = InFlight()
+    servicer = VllmEngineServicer(engine, in_flight=in_flight)
     server = Server([servicer])
     await server.start("127.0.0.1", 0)
     channel = Channel("127.0.0.1", server._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
     client = VllmClient(channel)
     try:
-        await asyncio.wait_for(servicer.wait_idle(), DEADLINE)  # nothing in flight: at once
+        await asyncio.wait_for(in_flight.wait_idle(), DEADLINE)  # nothing in flight: at once
         request = make_request("long", stream=True, max_tokens=20)
         async with client.generate(request, time_limit=DEADLINE) as stream:
             await stream.send_message(request, end=True)
             assert await stream.recv_message() is not None
-            assert servicer.num_streams == 1
-            idle = asyncio.ensure_future(servicer.wait_idle())
+            assert in_flight.count == 1
+            idle = asyncio.ensure_future(in_flight.wait_idle())
             await asyncio.sleep(0.05)
             assert not idle.done()  # the stream still runs
             rest = await asyncio.wait_for(read_all(stream), DEADLINE)
         assert rest[-1].WhichOneof("response") == "complete"
         await asyncio.wait_for(idle, DEADLINE)
-        assert servicer.num_streams == 0
+        assert in_flight.count == 0
     finally:
         channel.close()
         server.close()

@@ -25,6 +25,7 @@ from engine_proto.engine.v1 import info_pb2
 from grpclib.reflection.service import ServerReflection
 
 from engine_server.api.health import build_health
+from engine_server.api.in_flight import InFlight
 from engine_server.api.metrics import ServerMetrics
 from engine_server.api.security import build_server
 from engine_server.api.security.metrics import register_guard_metrics
@@ -80,14 +81,17 @@ class EngineServer:
         # NOTE: `metrics` without a metrics_port: an --api-workers worker, which the primary scrapes.
         self.metrics = metrics or (ServerMetrics() if config.metrics_port is not None else None)
         name = config.served_model_name or Path(engine_config.model).name
+        # NOTE: one count of Generate handlers for both services: what a drain waits for before closing.
+        self._in_flight = InFlight()
         self.servicer = EngineServicer(
-            served_model_name=name, max_concurrent_streams=config.max_concurrent_streams, metrics=self.metrics
+            served_model_name=name, max_concurrent_streams=config.max_concurrent_streams,
+            metrics=self.metrics, in_flight=self._in_flight,
         )
         self.health, self._check = build_health(self.servicer, self._is_serving)
         # vllm.grpc.engine.VllmEngine on the same port: the smg gateway's worker protocol (docs/deploy.md).
         self.vllm_servicer = VllmEngineServicer(
             options=VllmCompatOptions(served_model_name=name, max_num_seqs=engine_config.max_num_seqs),
-            is_ready=self._is_serving, metrics=self.metrics,
+            is_ready=self._is_serving, metrics=self.metrics, in_flight=self._in_flight,
         )
         self.use_stream_limit(LocalStreamLimit(config.max_concurrent_streams))
         handlers: list[Any] = [self.servicer, self.health, self.vllm_servicer]
@@ -179,8 +183,7 @@ class EngineServer:
         # HTTP/2 GOAWAY(NO_ERROR) to each connection once it has no call open (idle ones now), so clients
         # open their next calls elsewhere instead of getting UNAVAILABLE here.
         self._server.begin_drain()
-        logger.info("draining: %d streams in flight, up to %.1f s",
-                    self.servicer.num_streams + self.vllm_servicer.num_streams, timeout)
+        logger.info("draining: %d streams in flight, up to %.1f s", self._in_flight.count, timeout)
         engine = self._engine
         if engine is not None:
             engine.begin_drain()
@@ -188,9 +191,7 @@ class EngineServer:
             # end with finish reason ABORT), then stops the engine core.
             await engine.shutdown(timeout=timeout)
         with contextlib.suppress(TimeoutError):  # both services' Generate handlers send their last messages
-            await asyncio.wait_for(
-                asyncio.gather(self.servicer.wait_idle(), self.vllm_servicer.wait_idle()), _HANDLER_GRACE_S
-            )
+            await asyncio.wait_for(self._in_flight.wait_idle(), _HANDLER_GRACE_S)
         await self.close()
 
     async def close(self) -> None:

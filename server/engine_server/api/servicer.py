@@ -17,6 +17,7 @@ import engine_server
 from engine_server.api import convert, responses
 from engine_server.api.errors import RequestFailed, ServerBusy, to_grpc_error
 from engine_server.api.fast_send import FastSender
+from engine_server.api.in_flight import InFlight
 from engine_server.api.stream_limit import LocalStreamLimit
 from engine_server.engine.types import EngineDead
 from engine_server.frontend.outputs import EngineState
@@ -46,7 +47,8 @@ class EngineServicer(EngineServiceBase):
     """Stateless per call; holds the engine handle (attached once loaded) and the server-wide stream count."""
 
     def __init__(
-        self, *, served_model_name: str, max_concurrent_streams: int, metrics: ServerMetrics | None = None
+        self, *, served_model_name: str, max_concurrent_streams: int, metrics: ServerMetrics | None = None,
+        in_flight: InFlight | None = None,
     ) -> None:
         self._engine: EngineHandle | None = None
         self._served_model_name = served_model_name
@@ -56,9 +58,7 @@ class EngineServicer(EngineServiceBase):
         self._started_at = time.monotonic()
         self._is_ready = False
         self._is_draining = False
-        self._num_streams = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._in_flight = in_flight if in_flight is not None else InFlight()
 
     # --- lifecycle (called by api.server) -----------------------------------------------------------
 
@@ -75,14 +75,6 @@ class EngineServicer(EngineServiceBase):
 
     def begin_drain(self) -> None:
         self._is_draining = True
-
-    async def wait_idle(self) -> None:
-        """Until every Generate handler has returned."""
-        await self._idle.wait()
-
-    @property
-    def num_streams(self) -> int:
-        return self._num_streams
 
     @property
     def state(self) -> info_pb2.EngineState.ValueType:
@@ -143,18 +135,17 @@ class EngineServicer(EngineServiceBase):
         except Exception as exc:
             stream_limit.release()
             raise to_grpc_error(exc, rpc="Generate", request_id=request_id) from None
-        self._num_streams += 1
-        self._idle.clear()
         logger.debug("Generate %s: %d prompt tokens, n=%d, stream=%s",
                      request_id, len(request.prompt_token_ids), request.params.n, msg.stream)
         try:
             # NOTE: aclosing: a cancelled call (client cancel, disconnect, deadline) closes the stream, and
             # closing an unfinished stream aborts the request in the engine.
-            async with contextlib.aclosing(outputs):
-                if msg.stream:
-                    await self._stream_outputs(stream, outputs, request)
-                else:
-                    await self._send_whole(stream, outputs, request)
+            with self._in_flight:
+                async with contextlib.aclosing(outputs):
+                    if msg.stream:
+                        await self._stream_outputs(stream, outputs, request)
+                    else:
+                        await self._send_whole(stream, outputs, request)
         except Exception as exc:
             raise to_grpc_error(exc, rpc="Generate", request_id=request_id) from None
         except asyncio.CancelledError:
@@ -162,9 +153,6 @@ class EngineServicer(EngineServiceBase):
             raise
         finally:
             stream_limit.release()
-            self._num_streams -= 1
-            if self._num_streams == 0:
-                self._idle.set()
 
     async def _stream_outputs(
         self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse],

@@ -25,6 +25,7 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
+from engine_server.api.in_flight import InFlight
 from engine_server.frontend.outputs import EngineState
 
 from .engine_handle import EngineHandle
@@ -76,6 +77,7 @@ class VllmEngineServicer(VllmEngineBase):
         is_ready: Callable[[], bool] | None = None,
         metrics: ServerMetrics | None = None,
         stream_limit: StreamLimit | None = None,
+        in_flight: InFlight | None = None,
     ) -> None:
         self._options = options or VllmCompatOptions()
         self._metrics = metrics  # the server's Prometheus metrics: gateway calls count like engine.v1 ones
@@ -84,10 +86,8 @@ class VllmEngineServicer(VllmEngineBase):
         self._start_time = time.time()
         self._last_receive_time = 0.0
         self._engine_or_none: EngineHandle | None = None
-        # NOTE: drain waits for the Generate handlers to return (their last message sent) before closing.
-        self._num_streams = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # NOTE: shared with engine.v1 by the server: a drain waits for both services' Generate handlers.
+        self._in_flight = in_flight if in_flight is not None else InFlight()
         self._model_type = ""
         self._tokenizer_bundle: TokenizerBundle | None = None
         if engine is not None:
@@ -101,14 +101,6 @@ class VllmEngineServicer(VllmEngineBase):
     def use_stream_limit(self, stream_limit: StreamLimit) -> None:
         """The count engine.v1 Generate admits against too (api/server.py), before the server is ready."""
         self._stream_limit = stream_limit
-
-    @property
-    def num_streams(self) -> int:
-        return self._num_streams
-
-    async def wait_idle(self) -> None:
-        """Until every Generate handler has returned."""
-        await self._idle.wait()
 
     @property
     def _engine(self) -> EngineHandle:
@@ -141,14 +133,8 @@ class VllmEngineServicer(VllmEngineBase):
             raise GRPCError(Status.INVALID_ARGUMENT, "empty request")
         self._last_receive_time = time.time()
         engine = self._engine
-        self._num_streams += 1
-        self._idle.clear()
-        try:
+        with self._in_flight:
             await self._generate(stream, request, engine)
-        finally:
-            self._num_streams -= 1
-            if self._num_streams == 0:
-                self._idle.set()
 
     async def _generate(self, stream: RpcStream, request: pb.GenerateRequest, engine: EngineHandle) -> None:
         # NOTE: the slot is taken before the request is looked at (an overloaded server refuses cheaply) and
