@@ -6,11 +6,12 @@ Server-wide, whichever process the kernel hands a connection to: the metrics end
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,19 @@ def server() -> Iterator[RunningServer]:
         yield running
 
 
+@contextlib.asynccontextmanager
+async def _each_frontend(port: int) -> AsyncIterator[tuple[dict[int, Channel], list[Channel]]]:
+    """(serving pid -> a channel it accepted, the other channels opened on the way); all closed at the end."""
+    channels: dict[int, Channel] = {}
+    spare: list[Channel] = []
+    try:
+        await _connect_each_frontend(port, channels, spare)
+        yield channels, spare
+    finally:
+        for channel in [*channels.values(), *spare]:
+            channel.close()
+
+
 async def _connect_each_frontend(port: int, channels: dict[int, Channel], spare: list[Channel]) -> None:
     """New connections until both listeners got one: `channels` maps each serving pid to one of them."""
     for _ in range(MAX_CHANNELS):
@@ -94,79 +108,65 @@ async def _connect_each_frontend(port: int, channels: dict[int, Channel], spare:
 
 
 async def test_two_frontends_one_engine(server: RunningServer) -> None:
-    channels: dict[int, Channel] = {}  # serving pid -> a channel it accepted
-    spare: list[Channel] = []
-    try:
-        async with asyncio.timeout(TIMEOUT * 2):
-            # 1) A connection to each frontend; the same greedy request on each gives the same ids.
-            await _connect_each_frontend(server.port, channels, spare)
-            assert server.process.pid in channels  # the primary is one of them
-            stubs = [EngineServiceStub(channel) for channel in channels.values()]
-            first, second = [await _tokens(stub, "same-id", max_tokens=6) for stub in stubs]
-            assert first == second
-            assert len(first) == 6
+    # 1) A connection to each frontend; the same greedy request on each gives the same ids.
+    async with asyncio.timeout(TIMEOUT * 2), _each_frontend(server.port) as (channels, _spare):
+        assert server.process.pid in channels  # the primary is one of them
+        stubs = [EngineServiceStub(channel) for channel in channels.values()]
+        first, second = [await _tokens(stub, "same-id", max_tokens=6) for stub in stubs]
+        assert first == second
+        assert len(first) == 6
 
-            # 2) Endless streams on both frontends (the same request id: each frontend has its own slice);
-            #    GetLoad on either one sees the whole engine.
-            streams = []
-            for stub in stubs:
-                stream = stub.Generate.open(timeout=TIMEOUT)
-                await stream.__aenter__()
-                await stream.send_message(_request("endless", max_tokens=1500), end=True)
-                assert (await stream.recv_message()) is not None
-                streams.append(stream)
-            assert await _num_running(stubs[0]) == 2
-            assert await _num_running(stubs[1]) == 2
+        # 2) Endless streams on both frontends (the same request id: each frontend has its own slice);
+        #    GetLoad on either one sees the whole engine.
+        streams = []
+        for stub in stubs:
+            stream = stub.Generate.open(timeout=TIMEOUT)
+            await stream.__aenter__()
+            await stream.send_message(_request("endless", max_tokens=1500), end=True)
+            assert (await stream.recv_message()) is not None
+            streams.append(stream)
+        assert await _num_running(stubs[0]) == 2
+        assert await _num_running(stubs[1]) == 2
 
-            # 3) Abort on the second frontend ends its stream only; cancelling the first's stream aborts it.
-            abort = generate_pb2.AbortRequest(request_ids=["endless"])
-            aborted = await stubs[1].Abort(abort, timeout=TIMEOUT)
-            assert list(aborted.aborted_request_ids) == ["endless"]
-            finish = None
-            async for response in streams[1]:
-                for chunk in response.completions:
-                    finish = chunk.finish_reason or finish
-            assert finish == generate_pb2.FINISH_REASON_ABORT
-            await streams[0].cancel()
-            for stream in streams:
-                await stream.__aexit__(None, None, None)
-            # NOTE: polls a counter in another process (the core's next step reports it); bounded above.
-            while await _num_running(stubs[0]) != 0:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
-            assert await _num_running(stubs[1]) == 0
-    finally:
-        for channel in [*channels.values(), *spare]:
-            channel.close()
+        # 3) Abort on the second frontend ends its stream only; cancelling the first's stream aborts it.
+        abort = generate_pb2.AbortRequest(request_ids=["endless"])
+        aborted = await stubs[1].Abort(abort, timeout=TIMEOUT)
+        assert list(aborted.aborted_request_ids) == ["endless"]
+        finish = None
+        async for response in streams[1]:
+            for chunk in response.completions:
+                finish = chunk.finish_reason or finish
+        assert finish == generate_pb2.FINISH_REASON_ABORT
+        await streams[0].cancel()
+        for stream in streams:
+            await stream.__aexit__(None, None, None)
+        # NOTE: polls a counter in another process (the core's next step reports it); bounded above.
+        while await _num_running(stubs[0]) != 0:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        assert await _num_running(stubs[1]) == 0
 
 
 async def test_abort_over_another_connection_reaches_the_other_frontend(server: RunningServer) -> None:
     """A gateway aborts over a connection of its own: the kernel may have given it the other frontend."""
-    channels: dict[int, Channel] = {}
-    spare: list[Channel] = []
-    try:
-        async with asyncio.timeout(TIMEOUT * 2):
-            await _connect_each_frontend(server.port, channels, spare)
-            stubs = [EngineServiceStub(channel) for channel in channels.values()]
-            # Each frontend in turn runs the stream while the other one receives the Abort.
-            for owner, asker in (stubs, stubs[::-1]):
-                async with owner.Generate.open(timeout=TIMEOUT) as stream:
-                    await stream.send_message(_request("cross", max_tokens=1500), end=True)
-                    assert (await stream.recv_message()) is not None
-                    aborted = await asker.Abort(generate_pb2.AbortRequest(request_ids=["cross", "unknown"]),
-                                                timeout=TIMEOUT)
-                    assert list(aborted.aborted_request_ids) == ["cross"]
-                    finish = None
-                    async for response in stream:
-                        for chunk in response.completions:
-                            finish = chunk.finish_reason or finish
-                    assert finish == generate_pb2.FINISH_REASON_ABORT
-                # NOTE: polls a counter in another process (the core's next step reports it); bounded above.
-                while await _num_running(asker) != 0:  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
-                assert await _num_running(owner) == 0
-    finally:
-        for channel in [*channels.values(), *spare]:
-            channel.close()
+    async with asyncio.timeout(TIMEOUT * 2), _each_frontend(server.port) as (channels, _spare):
+        stubs = [EngineServiceStub(channel) for channel in channels.values()]
+        # Each frontend in turn runs the stream while the other one receives the Abort.
+        for owner, asker in (stubs, stubs[::-1]):
+            async with owner.Generate.open(timeout=TIMEOUT) as stream:
+                await stream.send_message(_request("cross", max_tokens=1500), end=True)
+                assert (await stream.recv_message()) is not None
+                aborted = await asker.Abort(generate_pb2.AbortRequest(request_ids=["cross", "unknown"]),
+                                            timeout=TIMEOUT)
+                assert list(aborted.aborted_request_ids) == ["cross"]
+                finish = None
+                async for response in stream:
+                    for chunk in response.completions:
+                        finish = chunk.finish_reason or finish
+                assert finish == generate_pb2.FINISH_REASON_ABORT
+            # NOTE: polls a counter in another process (the core's next step reports it); bounded above.
+            while await _num_running(asker) != 0:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+            assert await _num_running(owner) == 0
 
 
 def _scrape(server: RunningServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], list[float]]:
@@ -186,24 +186,17 @@ GENERATE_OK = ("engine_requests_total", (("code", "OK"), ("rpc", "Generate")))
 
 
 async def test_metrics_count_the_requests_of_every_frontend(server: RunningServer) -> None:
-    channels: dict[int, Channel] = {}
-    spare: list[Channel] = []
-    try:
-        async with asyncio.timeout(TIMEOUT * 2):
-            await _connect_each_frontend(server.port, channels, spare)
-            spare.extend(Channel("127.0.0.1", server.port) for _ in range(max(0, 4 - len(spare))))
-            before = await asyncio.to_thread(_scrape, server)
-            # Several requests on a connection of each frontend, and on every other connection opened.
-            stubs = [EngineServiceStub(channel) for channel in [*channels.values(), *spare]]
-            num_requests = 0
-            for round_index in range(3):
-                for index, stub in enumerate(stubs):
-                    assert len(await _tokens(stub, f"m-{round_index}-{index}", max_tokens=3)) == 3
-                    num_requests += 1
-            after = await asyncio.to_thread(_scrape, server)
-    finally:
-        for channel in [*channels.values(), *spare]:
-            channel.close()
+    async with asyncio.timeout(TIMEOUT * 2), _each_frontend(server.port) as (channels, spare):
+        spare.extend(Channel("127.0.0.1", server.port) for _ in range(max(0, 4 - len(spare))))
+        before = await asyncio.to_thread(_scrape, server)
+        # Several requests on a connection of each frontend, and on every other connection opened.
+        stubs = [EngineServiceStub(channel) for channel in [*channels.values(), *spare]]
+        num_requests = 0
+        for round_index in range(3):
+            for index, stub in enumerate(stubs):
+                assert len(await _tokens(stub, f"m-{round_index}-{index}", max_tokens=3)) == 3
+                num_requests += 1
+        after = await asyncio.to_thread(_scrape, server)
 
     def delta(name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
         return after[(name, labels)][0] - before.get((name, labels), [0.0])[0]
@@ -239,12 +232,9 @@ async def _assert_refused(stub: EngineServiceStub, request_id: str) -> None:
 
 
 async def test_stream_limit_holds_across_frontends(server: RunningServer) -> None:
-    channels: dict[int, Channel] = {}
-    spare: list[Channel] = []
     streams: list[Any] = []
-    try:
-        async with asyncio.timeout(TIMEOUT * 2):
-            await _connect_each_frontend(server.port, channels, spare)
+    async with asyncio.timeout(TIMEOUT * 2), _each_frontend(server.port) as (channels, _spare):
+        try:
             primary = EngineServiceStub(channels[server.process.pid])
             worker = next(EngineServiceStub(c) for pid, c in channels.items() if pid != server.process.pid)
             # 1) Half the limit on each frontend: the server is full, whichever process gets the next stream.
@@ -262,12 +252,10 @@ async def test_stream_limit_holds_across_frontends(server: RunningServer) -> Non
             await ended.__aexit__(None, None, None)
             streams.append(await _open_endless(worker, "limit-w-again"))
             await _assert_refused(primary, "limit-over-p-again")
-    finally:
-        for stream in streams:
-            await stream.cancel()
-            await stream.__aexit__(None, None, None)
-        for channel in [*channels.values(), *spare]:
-            channel.close()
+        finally:
+            for stream in streams:
+                await stream.cancel()
+                await stream.__aexit__(None, None, None)
 
 
 def test_sigterm_stops_every_process(server: RunningServer) -> None:
