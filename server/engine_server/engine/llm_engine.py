@@ -170,13 +170,16 @@ class LLMEngine:
         # 4) sample for every sequence whose last token was computed (forking n > 1 siblings), emit
         sample_seqs, rows = self._sampling_rows(step_logits, ordered)
         if sample_seqs:
-            tokens, logprobs = self.sampler(step_logits.logits[rows], sample_seqs)
+            logits = step_logits.logits
+            if rows != list(range(logits.shape[0])):  # prompt-logprob rows to skip, or n > 1 forks
+                logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+            tokens, logprobs = self.sampler(logits, sample_seqs)
             for seq, token, logprob in zip(sample_seqs, tokens, logprobs, strict=True):
                 deltas.append(self._append_token(seq, token, logprob))
         return deltas
 
     def _sampling_rows(self, step_logits: StepLogits, ordered: list[ScheduledSeq]
-                       ) -> tuple[list[Sequence], torch.Tensor]:
+                       ) -> tuple[list[Sequence], list[int]]:
         seqs: list[Sequence] = []
         rows: list[int] = []
         for s in ordered:
@@ -193,7 +196,7 @@ class LLMEngine:
                 for sibling in self._fork(s.seq):
                     seqs.append(sibling)
                     rows.append(row)
-        return seqs, torch.tensor(rows, dtype=torch.long, device=step_logits.logits.device)
+        return seqs, rows
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         state = self._requests[parent.request_id]
