@@ -48,6 +48,9 @@ if [ -f clients/rust/Cargo.toml ]; then
 fi
 
 step "Python tests"
+# the engine's CPU kernel is compiled once per machine (~25 s); built here, so no server started by
+# a test spends its start-up timeout compiling it
+python -m engine_server.engine.cpu_kernels
 python -m pytest tests -q -p no:cacheprovider
 
 if [ -f clients/go/go.mod ]; then

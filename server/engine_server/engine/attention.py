@@ -3,8 +3,9 @@
 The model runs on one flattened batch [1, num_tokens] with explicit position_ids; per-step
 metadata reaches this function as a forward kwarg (`paged_metadata`), so nothing is global.
 Each layer first writes this step's K/V into the paged cache (slot mapping), then attends:
-- decode tokens (one query per sequence) of all sequences together: their contexts are gathered
-  into one padded batch with a key mask and one SDPA call;
+- decode tokens (one query per sequence) of all sequences together: on CPU, one call of the engine's
+  compiled kernel that reads the paged cache in place (engine/csrc/); elsewhere, or where it cannot be
+  built, their contexts are gathered into padded groups with a key mask and one SDPA call per group;
 - prefill chunks one sequence at a time, with a causal mask offset by the cached context.
 Unlike a block-diagonal mask over the whole batch, the cost stays linear in the batch size.
 
@@ -15,6 +16,7 @@ form: with it, the same calls run through `_softcapped_attention` (explicit scor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,11 +50,23 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class DecodeBatch:
+    """Single-token queries of every decoding sequence, for the compiled kernel (cpu_kernels.py)."""
+
+    q_start: int
+    q_end: int
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [num_seqs] int64
+    kernel: Callable[..., None]
+
+
+@dataclass(slots=True)
 class PagedMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, d] x2
     slot_mapping: torch.Tensor  # [num_tokens]: where each new token's K/V goes (block * block_size + offset)
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_batch: DecodeBatch | None = None  # instead of `decodes` where the kernel is available
 
 
 def paged_attention_forward(
@@ -99,6 +113,9 @@ def paged_attention_forward(
             mask = mask.masked_fill(old[:, None, None, :], float("-inf"))
         o = _attention(q, k, v, mask, scaling=scaling, softcap=softcap)
         out[group.q_start:group.q_end] = o.reshape(n, num_heads, head_dim)
+    if meta.decode_batch is not None:
+        _kernel_decode(meta.decode_batch, query, k_cache, v_cache, out, scaling=scaling, window=window,
+                       softcap=softcap)
     # 3) prefill chunks, one sequence at a time
     for chunk in meta.prefills:
         q = query[:, :, chunk.q_start:chunk.q_end]
@@ -118,6 +135,19 @@ def paged_attention_forward(
             o = _attention(q, k, v, chunk.mask, scaling=scaling, softcap=softcap, gqa=gqa)
         out[chunk.q_start:chunk.q_end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _kernel_decode(batch: DecodeBatch, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   out: torch.Tensor, *, scaling: float | None, window: int | None,
+                   softcap: float | None) -> None:
+    n = batch.q_end - batch.q_start
+    num_heads, head_dim = query.shape[1], query.shape[3]
+    shape = (n, k_cache.shape[2], num_heads // k_cache.shape[2], head_dim)  # [n, kv_heads, group, d]
+    q = query[0, :, batch.q_start:batch.q_end].transpose(0, 1).reshape(shape).contiguous()
+    scale = head_dim ** -0.5 if scaling is None else scaling
+    # the kernel writes straight into the output rows (a contiguous slice of `out`)
+    batch.kernel(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale, window or 0,
+                 softcap or 0.0, out[batch.q_start:batch.q_end].view(shape))
 
 
 def _prefill_with_window(out: torch.Tensor, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from engine_server.engine.attention import DecodeGroup, PagedMetadata, PrefillChunk
+from engine_server.engine import cpu_kernels
+from engine_server.engine.attention import DecodeBatch, DecodeGroup, PagedMetadata, PrefillChunk
 from engine_server.engine.loader import KVShape
 from engine_server.engine.scheduler import ScheduledSeq
 
@@ -31,6 +33,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, kv.num_kv_heads, kv.head_dim)
+        # on CPU, decode attention reads the paged cache in place through the engine's compiled kernel
+        self.decode_kernel = cpu_kernels.paged_decode_attention() if device.type == "cpu" else None
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(kv.num_layers)
@@ -75,10 +79,13 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             prefills=chunks,
         )
-        group_start = 0
-        for group_end in self._decode_group_ends(decodes):
-            meta.decodes.append(self._decode_group(decodes, group_start, group_end))
-            group_start = group_end
+        if decodes and self.decode_kernel is not None:
+            meta.decode_batch = self._decode_batch(decodes, self.decode_kernel)
+        else:
+            group_start = 0
+            for group_end in self._decode_group_ends(decodes):
+                meta.decodes.append(self._decode_group(decodes, group_start, group_end))
+                group_start = group_end
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -134,6 +141,16 @@ class ModelRunner:
                 ends.append(i)
                 first = i
         return ends
+
+    def _decode_batch(self, decodes: list[ScheduledSeq], kernel: Callable[..., None]) -> DecodeBatch:
+        context_lens = [s.start + 1 for s in decodes]
+        max_blocks = -(-max(context_lens) // self.block_size)
+        tables = [s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
+                  for s in decodes]
+        return DecodeBatch(q_start=0, q_end=len(decodes),
+                           block_tables=torch.tensor(tables, dtype=torch.long, device=self.device),
+                           context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
+                           kernel=kernel)
 
     def _decode_group(self, decodes: list[ScheduledSeq], first: int, end: int) -> DecodeGroup:
         size = self.block_size

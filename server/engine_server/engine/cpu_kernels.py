@@ -1,0 +1,127 @@
+"""The engine's own CPU kernel (csrc/), compiled on first use and cached per machine.
+
+`paged_decode_attention()` returns the compiled decode-attention function, or None when it cannot be
+had (no C++ compiler, a build error, ENGINE_CPU_KERNELS=0); the engine then stays on its torch-only
+path, which gives the same results more slowly. The build takes ~25 s once; the cache key covers the
+source, the flags, torch, Python and this CPU's instruction set (the code is built with
+-march=native), so a cache dir shared by different machines never hands one another's binary.
+
+Run `python -m engine_server.engine.cpu_kernels` to build ahead of time (CI and images do).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine_server.models.tiny import cache_root
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# NOTE: -fopenmp makes at::parallel_for really parallel (it is a header template: without the flag it
+# runs serially). At run time the extension binds to the libgomp torch already loaded (same soname).
+_LDFLAGS = ["-fopenmp"]
+DISABLE_ENV = "ENGINE_CPU_KERNELS"
+
+_lock = threading.Lock()
+_loaded: dict[str, Any] = {}
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    key = hashlib.sha256("\n".join([
+        _SOURCE.read_text(), " ".join(_CFLAGS + _LDFLAGS), torch.__version__, sys.version, _cpu_signature(),
+    ]).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"paged_decode-{key}"
+
+
+def _import(name: str, path: Path) -> Any:
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    if spec is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _build(final: Path, name: str) -> Any:
+    from torch.utils.cpp_extension import load
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # torch runs `ninja` from PATH: the one this environment installed (a dependency) when not on it
+    scripts = str(Path(sys.executable).parent)
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(filter(None, [os.environ.get("PATH"), scripts]))
+    # Built beside the destination and renamed (as the test models are): a reader never sees a
+    # half-written library, concurrent builders both succeed, and a build killed midway leaves no
+    # lock behind (torch's own build directory lock would make every later start wait on it).
+    tmp = Path(tempfile.mkdtemp(prefix=".paged_decode-", dir=final.parent))
+    try:
+        module = load(name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                      build_directory=str(tmp), verbose=False)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / f"{name}.so").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return module
+
+
+def paged_decode_attention() -> Callable[..., None] | None:
+    """The compiled kernel (built on first call), or None where it cannot be built or is disabled."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    with _lock:
+        if "paged_decode" not in _loaded:
+            _loaded["paged_decode"] = _load()
+    fn: Callable[..., None] | None = _loaded["paged_decode"]
+    return fn
+
+
+def _load() -> Callable[..., None] | None:
+    name = "engine_paged_decode"
+    try:
+        final = _cache_dir()
+        library = final / f"{name}.so"
+        if library.exists():
+            module = _import(name, library)
+        else:
+            log.info("compiling the CPU decode-attention kernel (once; cached in %s)", final)
+            module = _build(final, name)
+        fn: Callable[..., None] = module.paged_decode_attention
+        return fn
+    except Exception as e:  # no compiler, headers or disk: the torch path gives the same results
+        log.warning("CPU decode-attention kernel unavailable, using the torch path: %s", e)
+        return None
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    sys.exit(0 if paged_decode_attention() is not None else 1)
