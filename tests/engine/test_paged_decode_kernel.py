@@ -24,9 +24,9 @@ NUM_BLOCKS = 64
 def kernel() -> Callable[..., None]:
     if os.environ.get(cpu_kernels.DISABLE_ENV) == "0":
         pytest.skip(f"{cpu_kernels.DISABLE_ENV}=0: the kernel is switched off")
-    fn = cpu_kernels.paged_decode_attention()
-    assert fn is not None, "the CPU decode-attention kernel did not build (see the log for why)"
-    return fn
+    kernels = cpu_kernels.load()
+    assert kernels is not None, "the engine's CPU kernels did not build (see the log for why)"
+    return kernels.paged_decode_attention
 
 
 def _case(seed: int, *, kv_heads: int, group: int, d: int, dtype: torch.dtype,
@@ -124,4 +124,4 @@ def test_attention_layer_uses_the_kernel_for_decodes(kernel: Callable[..., None]
 
 def test_unavailable_kernel_is_none_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
-    assert cpu_kernels.paged_decode_attention() is None
+    assert cpu_kernels.load() is None

@@ -1,10 +1,11 @@
-"""The engine's own CPU kernel (csrc/), compiled on first use and cached per machine.
+"""The engine's own CPU kernels (csrc/), compiled on first use and cached per machine.
 
-`paged_decode_attention()` returns the compiled decode-attention function, or None when it cannot be
-had (no C++ compiler, a build error, ENGINE_CPU_KERNELS=0); the engine then stays on its torch-only
-path, which gives the same results more slowly. The build takes ~25 s once; the cache key covers the
-source, the flags, torch, Python and this CPU's instruction set (the code is built with
--march=native), so a cache dir shared by different machines never hands one another's binary.
+`load()` returns the compiled module (decode attention over the paged cache, fused RMSNorm and
+SiLU-and-mul), or None when it cannot be had (no C++ compiler, a build error, ENGINE_CPU_KERNELS=0);
+the engine then stays on its torch-only path, which gives the same results more slowly. The build
+takes ~40 s once; the cache key covers the sources, the flags, torch, Python and this CPU's
+instruction set (the code is built with -march=native), so a cache dir shared by different machines
+never hands one another's binary.
 
 Run `python -m engine_server.engine.cpu_kernels` to build ahead of time (CI and images do).
 """
@@ -21,9 +22,8 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -31,15 +31,29 @@ from engine_server.models.tiny import cache_root
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # NOTE: -fopenmp makes at::parallel_for really parallel (it is a header template: without the flag it
 # runs serially). At run time the extension binds to the libgomp torch already loaded (same soname).
 _LDFLAGS = ["-fopenmp"]
 DISABLE_ENV = "ENGINE_CPU_KERNELS"
 
+_NAME = "engine_cpu_kernels"
+
 _lock = threading.Lock()
-_loaded: dict[str, Any] = {}
+_loaded: dict[str, CpuKernels | None] = {}
+
+
+class CpuKernels(Protocol):
+    """The compiled module's functions (csrc/ops.h says what each computes)."""
+
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                               window: int, softcap: float, out: torch.Tensor) -> None: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None: ...
+
+    def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None: ...
 
 
 def _cpu_signature() -> str:
@@ -52,11 +66,16 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+def _sources() -> list[Path]:
+    return sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+
+
 def _cache_dir() -> Path:
     key = hashlib.sha256("\n".join([
-        _SOURCE.read_text(), " ".join(_CFLAGS + _LDFLAGS), torch.__version__, sys.version, _cpu_signature(),
+        *(p.read_text() for p in _sources()), " ".join(_CFLAGS + _LDFLAGS), torch.__version__, sys.version,
+        _cpu_signature(),
     ]).encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / f"paged_decode-{key}"
+    return cache_root() / "kernels" / f"cpu-{key}"
 
 
 def _import(name: str, path: Path) -> Any:
@@ -80,10 +99,10 @@ def _build(final: Path, name: str) -> Any:
     # Built beside the destination and renamed (as the test models are): a reader never sees a
     # half-written library, concurrent builders both succeed, and a build killed midway leaves no
     # lock behind (torch's own build directory lock would make every later start wait on it).
-    tmp = Path(tempfile.mkdtemp(prefix=".paged_decode-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=".cpu-", dir=final.parent))
     try:
-        module = load(name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                      build_directory=str(tmp), verbose=False)
+        module = load(name, sources=[str(p) for p in _sources() if p.suffix == ".cpp"], extra_cflags=_CFLAGS,
+                      extra_ldflags=_LDFLAGS, build_directory=str(tmp), verbose=False)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -94,34 +113,31 @@ def _build(final: Path, name: str) -> Any:
     return module
 
 
-def paged_decode_attention() -> Callable[..., None] | None:
-    """The compiled kernel (built on first call), or None where it cannot be built or is disabled."""
+def load() -> CpuKernels | None:
+    """The compiled kernels (built on first call), or None where they cannot be built or are disabled."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     with _lock:
-        if "paged_decode" not in _loaded:
-            _loaded["paged_decode"] = _load()
-    fn: Callable[..., None] | None = _loaded["paged_decode"]
-    return fn
+        if _NAME not in _loaded:
+            _loaded[_NAME] = _load()
+    return _loaded[_NAME]
 
 
-def _load() -> Callable[..., None] | None:
-    name = "engine_paged_decode"
+def _load() -> CpuKernels | None:
     try:
         final = _cache_dir()
-        library = final / f"{name}.so"
+        library = final / f"{_NAME}.so"
         if library.exists():
-            module = _import(name, library)
+            module: CpuKernels = _import(_NAME, library)
         else:
-            log.info("compiling the CPU decode-attention kernel (once; cached in %s)", final)
-            module = _build(final, name)
-        fn: Callable[..., None] = module.paged_decode_attention
-        return fn
+            log.info("compiling the engine's CPU kernels (once; cached in %s)", final)
+            module = _build(final, _NAME)
+        return module
     except Exception as e:  # no compiler, headers or disk: the torch path gives the same results
-        log.warning("CPU decode-attention kernel unavailable, using the torch path: %s", e)
+        log.warning("the engine's CPU kernels are unavailable, using the torch path: %s", e)
         return None
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    sys.exit(0 if paged_decode_attention() is not None else 1)
+    sys.exit(0 if load() is not None else 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,8 +11,11 @@ import torch
 
 from engine_server.engine import cpu_kernels
 from engine_server.engine.attention import DecodeBatch, DecodeGroup, PagedMetadata, PrefillChunk
+from engine_server.engine.fused_modules import fuse_modules
 from engine_server.engine.loader import KVShape
 from engine_server.engine.scheduler import ScheduledSeq
+
+logger = logging.getLogger(__name__)
 
 DECODE_GROUP_MIN = 8  # fewer sequences than this are not worth their own SDPA call
 
@@ -34,7 +38,12 @@ class ModelRunner:
         self.device = device
         shape = (num_blocks, block_size, kv.num_kv_heads, kv.head_dim)
         # on CPU, decode attention reads the paged cache in place through the engine's compiled kernel
-        self.decode_kernel = cpu_kernels.paged_decode_attention() if device.type == "cpu" else None
+        kernels = cpu_kernels.load() if device.type == "cpu" else None
+        self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
+        if kernels is not None:
+            fused = fuse_modules(model, kernels)
+            logger.info("fused CPU kernels: %d RMSNorm and %d gated-SiLU MLP modules", fused["rms_norm"],
+                        fused["silu_mlp"])
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(kv.num_layers)

@@ -4,13 +4,12 @@
 // copy per layer and then runs SDPA over it. For 64 sequences of ~150 tokens on the 30M model that is
 // ~9 MB written and read twice per layer, and the traffic also evicts the weights the next matmuls
 // need (measured: the step's linears ran 2.5x slower with 20 MB touched between them). Here each
-// (sequence, kv head) reads its keys and values once, straight from the block table.
+// sequence's key and value rows (all kv heads, contiguous) are read once, straight from the block table.
 //
 // Shapes: q [n, kv_heads, group, d] (query heads h*group..h*group+group-1 share kv head h);
 // k_cache, v_cache [num_blocks, block_size, kv_heads, d]; block_tables [n, max_blocks] int64;
 // context_lens [n] int64; out like q. All contiguous. window > 0: only the last `window` positions
 // are attended; softcap > 0: scores become tanh(s / softcap) * softcap (Gemma2).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -18,11 +17,10 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define ENGINE_AVX512 1
-#endif
+#include "ops.h"
+#include "simd.h"
 
+namespace engine_kernels {
 namespace {
 
 // Everything a sequence's attention needs, shared by both implementations below.
@@ -57,28 +55,6 @@ inline void for_each_row(const T* cache, const Args<T>& a, const int64_t* table,
 }
 
 #ifdef ENGINE_AVX512
-// 16 lanes of float from T (masked: lanes past the row read nothing)
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {  // bfloat16 = the top half of a float32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline __m512 load16(const c10::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
-
-inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
-
-// exp(y) for y <= 0 (softmax after subtracting the max): 2^n * p(r), y = n ln2 + r, |r| <= ln2 / 2,
-// p the degree-6 Taylor polynomial (relative error ~1e-7); scalef applies 2^n without overflow tricks.
-inline __m512 exp_nonpositive(__m512 y) {
-  y = _mm512_max_ps(y, _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), y);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
 template <typename T>
 void attend(const Args<T>& a, int64_t s, Scratch& w) {
   const int64_t len = a.lens[s], start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
@@ -115,7 +91,7 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
     __m512 sum = _mm512_setzero_ps();
     for (int64_t k = 0; k < span; k += 16) {
       const __mmask16 m = lanes(span - k);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, si + k), shift));
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, si + k), shift));
       _mm512_mask_storeu_ps(si + k, m, e);
       sum = _mm512_mask_add_ps(sum, m, sum, e);
     }
@@ -200,6 +176,8 @@ void decode(const Args<T>& a) {
   });
 }
 
+}  // namespace
+
 void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                             const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
                             int64_t window, double softcap, torch::Tensor& out) {
@@ -226,8 +204,4 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
   });
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
-}
+}  // namespace engine_kernels

@@ -1,0 +1,11 @@
+// Python bindings of the engine's CPU kernels (one extension module, built by engine/cpu_kernels.py).
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &engine_kernels::paged_decode_attention,
+        "decode attention over a paged KV cache (CPU)");
+  m.def("rms_norm", &engine_kernels::rms_norm, "Llama-style RMSNorm over the last dim (CPU)");
+  m.def("silu_and_mul", &engine_kernels::silu_and_mul, "T(silu(gate)) * up (CPU)");
+}
