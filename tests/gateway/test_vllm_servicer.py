@@ -262,9 +262,21 @@ async def test_before_the_engine_is_attached() -> None:
         servicer.attach(FakeEngine(Path(__file__).parent))
         health = await client.unary("HealthCheck", pb.HealthCheckRequest(), pb.HealthCheckResponse)
         assert not health.healthy  # attached, but the server has not finished warming up
+        # warming up (or draining): new work is refused as engine.v1 refuses it, discovery still answers
+        with pytest.raises(GRPCError) as info:
+            await client.generate_all(make_request("early", stream=False, max_tokens=2))
+        assert info.value.status is Status.UNAVAILABLE
+        assert "warming up or draining" in str(info.value.message)
+        with pytest.raises(GRPCError) as info:
+            await client.unary("Embed", pb.EmbedRequest(request_id="e", tokenized=pb.TokenizedInput(
+                input_ids=[5])), pb.EmbedResponse)
+        assert info.value.status is Status.UNAVAILABLE
+        await client.unary("GetModelInfo", pb.GetModelInfoRequest(), pb.GetModelInfoResponse)
         is_ready = True
         health = await client.unary("HealthCheck", pb.HealthCheckRequest(), pb.HealthCheckResponse)
         assert health.healthy
+        responses = await client.generate_all(make_request("ready", stream=False, max_tokens=2))
+        assert responses[-1].HasField("complete")
     finally:
         channel.close()
         server.close()

@@ -109,6 +109,15 @@ class VllmEngineServicer(VllmEngineBase):
             raise GRPCError(Status.UNAVAILABLE, "the model is still loading")
         return engine
 
+    @property
+    def _serving_engine(self) -> EngineHandle:
+        """The engine for new work: UNAVAILABLE while the server warms up or drains, as engine.v1 answers
+        (the gateway routes only after a healthy HealthCheck, but a client may call Generate directly)."""
+        engine = self._engine
+        if self._is_ready is not None and not self._is_ready():
+            raise GRPCError(Status.UNAVAILABLE, "the server is warming up or draining; retry shortly")
+        return engine
+
     @contextmanager
     def _stream_slot(self) -> Iterator[None]:
         """One stream of --max-concurrent-streams for the body, however it ends (end, error, cancel)."""
@@ -132,7 +141,7 @@ class VllmEngineServicer(VllmEngineBase):
         if request is None:
             raise GRPCError(Status.INVALID_ARGUMENT, "empty request")
         self._last_receive_time = time.time()
-        engine = self._engine
+        engine = self._serving_engine
         with self._in_flight:
             await self._generate(stream, request, engine)
 
@@ -185,7 +194,7 @@ class VllmEngineServicer(VllmEngineBase):
         if not input_ids:
             raise GRPCError(Status.INVALID_ARGUMENT, "tokenized.input_ids: must not be empty")
         with grpc_status("Embed", request.request_id):
-            vectors = await self._engine.embed([input_ids], normalize=True)
+            vectors = await self._serving_engine.embed([input_ids], normalize=True)
         embedding = vectors[0]
         await stream.send_message(
             pb.EmbedResponse(embedding=embedding, prompt_tokens=len(input_ids), embedding_dim=len(embedding))
