@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -91,3 +92,29 @@ def test_a_frontend_killed_inside_the_lock_does_not_wedge_the_others(shared: Sha
     finally:
         child.wait(TIMEOUT_S)
         primary.close()
+
+
+def test_create_removes_the_files_of_primaries_that_are_gone() -> None:
+    """A primary killed during start-up (before it unlinked it) leaves its file; the next one sweeps it."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)  # exited and reaped: no such process now
+    first = SharedStreamLimitFile.create(limit=1, num_frontends=1)
+    folder = os.path.dirname(first.path)
+    orphan = os.path.join(folder, f"engine-streams-{dead_pid}-orphan")
+    live = os.path.join(folder, f"engine-streams-{os.getpid()}-live")
+    for path in (orphan, live):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 16)
+    try:
+        assert os.path.basename(first.path).startswith(f"engine-streams-{os.getpid()}-")
+        second = SharedStreamLimitFile.create(limit=1, num_frontends=1)
+        assert not os.path.exists(orphan)
+        assert os.path.exists(live)  # its primary (this process) still runs
+        assert os.path.exists(first.path)
+        second.unlink()
+    finally:
+        first.unlink()
+        for path in (orphan, live):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

@@ -7,6 +7,8 @@ whichever process the kernel gave the connection to. NOTE: flock, not a multipro
 drops a flock when its holder dies, so a worker killed inside the critical section cannot wedge the others.
 A worker that dies with streams in flight leaves its count behind; the next admission that finds the limit
 reached zeroes the slots of processes that are gone (`_reclaim_dead`), so nothing leaks for good.
+The file's name carries the creating primary's pid; a primary killed before it unlinked the file (during
+start-up) leaves it behind, and the next `create` on the machine removes the files of primaries that are gone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Protocol
 
 _SLOT_WORDS = 2  # (pid, num_streams) per frontend, int64 each
 _WORD_BYTES = 8
+_PREFIX = "engine-streams-"  # + "<primary pid>-" + a random part
 
 
 class StreamLimit(Protocol):
@@ -79,7 +82,9 @@ class SharedStreamLimitFile:
         if num_frontends < 1:
             raise ValueError(f"num_frontends: must be >= 1, got {num_frontends}")
         shm = Path("/dev/shm")
-        fd, path = tempfile.mkstemp(prefix="engine-streams-", dir=shm if shm.is_dir() else None)
+        folder = shm if shm.is_dir() else Path(tempfile.gettempdir())
+        _remove_orphans(folder)
+        fd, path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=folder)
         try:
             os.ftruncate(fd, num_frontends * _SLOT_WORDS * _WORD_BYTES)
         finally:
@@ -164,6 +169,15 @@ class SharedStreamLimit:
                 words[slot * _SLOT_WORDS + 1] = 0
                 freed += count
         return freed
+
+
+def _remove_orphans(folder: Path) -> None:
+    """Deletes the count files of primaries that died before they unlinked theirs."""
+    for path in folder.glob(f"{_PREFIX}*-*"):
+        pid = path.name.removeprefix(_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _is_running(int(pid)):
+            with contextlib.suppress(OSError):  # another primary's sweep got it first, or not ours to delete
+                path.unlink()
 
 
 def _is_running(pid: int) -> bool:
