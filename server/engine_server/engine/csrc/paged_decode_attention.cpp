@@ -65,19 +65,33 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
   const T* qp = a.q + s * heads * d;
   for (int64_t i = 0; i < heads; ++i)
     for (int64_t e = 0; e < d; ++e) w.q[i * dp + e] = static_cast<float>(qp[i * d + e]) * a.scale;
-  // 1) scores: each position's key row (all kv heads, contiguous) read once
-  for_each_row(a.k_cache, a, table, start, len, 0, [&](int64_t pos, const T* row) {
+  // 1) scores, 16 positions at a time: their key rows (all kv heads, contiguous) stay in L1 while each query
+  // head takes 16 dot products, summed across lanes together (sum16) rather than one reduction per dot
+  const T* rows[16];
+  int64_t num_rows = 0, first_pos = start;
+  const auto score_rows = [&] {
+    for (int64_t p = num_rows; p < 16; ++p) rows[p] = rows[0];  // padding lanes: computed, not stored
     for (int64_t h = 0; h < a.kv_heads; ++h) {
-      for (int64_t e = 0; e < d; e += 16) _mm512_storeu_ps(w.row.data() + e, load16(row + h * d + e, lanes(d - e)));
       for (int64_t j = 0; j < g; ++j) {
         const float* qj = w.q.data() + (h * g + j) * dp;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t e = 0; e < dp; e += 16)
-          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + e), _mm512_loadu_ps(w.row.data() + e), acc);
-        w.scores[(h * g + j) * span + pos - start] = _mm512_reduce_add_ps(acc);
+        __m512 acc[16];
+        for (int64_t p = 0; p < 16; ++p) acc[p] = _mm512_setzero_ps();
+        for (int64_t e = 0; e < d; e += 16) {
+          const __m512 qv = _mm512_loadu_ps(qj + e);
+          const __mmask16 m = lanes(d - e);
+          for (int64_t p = 0; p < 16; ++p) acc[p] = _mm512_fmadd_ps(qv, load16(rows[p] + h * d + e, m), acc[p]);
+        }
+        _mm512_mask_storeu_ps(w.scores.data() + (h * g + j) * span + first_pos - start, lanes(num_rows), sum16(acc));
       }
     }
+    first_pos += num_rows;
+    num_rows = 0;
+  };
+  for_each_row(a.k_cache, a, table, start, len, 0, [&](int64_t, const T* row) {
+    rows[num_rows++] = row;
+    if (num_rows == 16) score_rows();
   });
+  if (num_rows > 0) score_rows();
   if (a.softcap > 0) {
     for (float& x : w.scores) x = std::tanh(x / a.softcap) * a.softcap;
   }
@@ -101,20 +115,36 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
       _mm512_mask_storeu_ps(si + k, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, si + k), inv));
     }
   }
-  // 3) probability-weighted values, each position's value row read once
+  // 3) probability-weighted values, 16 positions at a time: each output chunk sums their 16 products in
+  // registers (four chains, so no FMA waits on the previous one) and touches memory once
   std::fill(w.acc.begin(), w.acc.begin() + heads * dp, 0.f);
-  for_each_row(a.v_cache, a, table, start, len, 0, [&](int64_t pos, const T* row) {
+  const auto weigh_rows = [&] {
+    for (int64_t p = num_rows; p < 16; ++p) rows[p] = rows[0];  // padding lanes: weight 0
     for (int64_t h = 0; h < a.kv_heads; ++h) {
-      for (int64_t e = 0; e < d; e += 16) {
-        const __m512 v = load16(row + h * d + e, lanes(d - e));
-        for (int64_t j = 0; j < g; ++j) {
-          float* acc = w.acc.data() + (h * g + j) * dp + e;
-          const __m512 p = _mm512_set1_ps(w.scores[(h * g + j) * span + pos - start]);
-          _mm512_storeu_ps(acc, _mm512_fmadd_ps(p, v, _mm512_loadu_ps(acc)));
+      for (int64_t j = 0; j < g; ++j) {
+        const float* sj = w.scores.data() + (h * g + j) * span + first_pos - start;
+        float weight[16];
+        for (int64_t p = 0; p < 16; ++p) weight[p] = p < num_rows ? sj[p] : 0.f;
+        for (int64_t e = 0; e < d; e += 16) {
+          const __mmask16 m = lanes(d - e);
+          __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          for (int64_t p = 0; p < 16; ++p)
+            part[p % 4] = _mm512_fmadd_ps(_mm512_set1_ps(weight[p]), load16(rows[p] + h * d + e, m), part[p % 4]);
+          float* out = w.acc.data() + (h * g + j) * dp + e;
+          const __m512 sum = _mm512_add_ps(_mm512_add_ps(part[0], part[1]), _mm512_add_ps(part[2], part[3]));
+          _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), sum));
         }
       }
     }
+    first_pos += num_rows;
+    num_rows = 0;
+  };
+  first_pos = start;
+  for_each_row(a.v_cache, a, table, start, len, 0, [&](int64_t, const T* row) {
+    rows[num_rows++] = row;
+    if (num_rows == 16) weigh_rows();
   });
+  if (num_rows > 0) weigh_rows();
   T* op = a.out + s * heads * d;
   for (int64_t i = 0; i < heads; ++i)
     for (int64_t e = 0; e < d; ++e) op[i * d + e] = static_cast<T>(w.acc[i * dp + e]);
