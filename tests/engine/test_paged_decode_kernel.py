@@ -125,3 +125,18 @@ def test_attention_layer_uses_the_kernel_for_decodes(kernel: Callable[..., None]
 def test_unavailable_kernel_is_none_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
     assert cpu_kernels.load() is None
+
+
+def test_a_failed_build_falls_back_to_the_torch_path(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """No working compiler: load() logs why and returns None (the engine keeps its torch path); no lock or
+    half-built library is left behind to wedge the next start."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # torch's extension builder runs $CXX: a compiler that always fails
+    monkeypatch.delenv(cpu_kernels.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
+        assert cpu_kernels.load() is None
+    assert "unavailable, using the torch path" in caplog.text
+    kernels_dir = tmp_path / "kernels"
+    assert not kernels_dir.exists() or list(kernels_dir.iterdir()) == []
