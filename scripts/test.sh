@@ -33,6 +33,9 @@ fi
 step "Python: ruff and mypy (strict; generated code excluded)"
 ruff check .
 mypy server/engine_server clients/python/src scripts/fix_python_gen.py
+# tests/: one run per folder, since pytest puts each folder on sys.path (helpers import by bare name) and every
+# folder has its own `conftest` module; tests/ (serverproc, api.fakes) and bench/ (transport_lib) are on the path
+for d in tests/ tests/[a-z]*/; do MYPYPATH=tests:bench mypy "$d"*.py; done
 
 step "Go: vet, staticcheck, build"
 (cd gen/go && go vet ./... && go build ./...)

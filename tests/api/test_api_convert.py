@@ -7,13 +7,14 @@ from engine_proto.engine.v1 import generate_pb2, tokenize_pb2
 from engine_server.api import convert
 from engine_server.api.errors import to_grpc_error
 from engine_server.engine.types import EngineDead, EngineOverloaded, RequestError
+from engine_server.frontend.outputs import GenerateRequest
 from fakes import BOS, FakeEngine, FakeTokenizer
 
 INFO = FakeEngine().model_info
 TOKENIZER = FakeTokenizer()
 
 
-def _convert(request: generate_pb2.GenerateRequest) -> convert.GenerateRequest:
+def _convert(request: generate_pb2.GenerateRequest) -> GenerateRequest:
     return convert.to_generate_request(request, tokenizer=TOKENIZER, model_info=INFO)
 
 

@@ -87,7 +87,8 @@ async def test_frontends_never_load_torch_and_the_core_does() -> None:
         for mode, server in zip(modes, servers, strict=True):
             await _serve_a_bit(server)
             inodes = _listening_socket_inodes(server.port)
-            frontends, others = [], []
+            frontends: list[int] = []
+            others: list[int] = []
             for pid in _process_tree(server.process.pid):
                 (frontends if _listens_on(pid, inodes) else others).append(pid)
             torch_by_mode[mode] = ([_has_torch(pid) for pid in frontends],

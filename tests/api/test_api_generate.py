@@ -24,7 +24,7 @@ def hf_model(tiny_model_dir: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     return model.eval()
 
 

@@ -60,7 +60,8 @@ class GatedMLP(torch.nn.Module):
         self.act_fn = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -39,10 +40,12 @@ class _AdmissionBugEngine(FakeCore):
         super().add_request(request)
 
 
-def _recv_until(conn: Connection, predicate: object, *, timeout: float = 10.0) -> StepOutput:
+def _recv_until(
+    conn: Connection, predicate: Callable[[StepOutput], bool], *, timeout: float = 10.0
+) -> StepOutput:
     while conn.poll(timeout):
         message = conn.recv()
-        if isinstance(message, StepOutput) and predicate(message):  # type: ignore[operator]
+        if isinstance(message, StepOutput) and predicate(message):
             return message
     raise AssertionError("no matching StepOutput before the timeout")
 

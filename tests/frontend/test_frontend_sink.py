@@ -26,8 +26,13 @@ async def test_a_sink_that_takes_everything_leaves_the_iterator_only_the_end(
 ) -> None:
     request = _request(tokenizer, "push-all", "one two three four five six seven eight")
     pushed: list[GenerateOutput] = []
+
+    def take(output: GenerateOutput) -> bool:
+        pushed.append(output)
+        return True
+
     stream = fake_engine.generate(request)
-    stream.set_sink(lambda output: pushed.append(output) is None)
+    stream.set_sink(take)
     async with asyncio.timeout(TIMEOUT):
         yielded = [output async for output in stream]
     assert yielded == []

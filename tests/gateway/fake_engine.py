@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.types import EngineStats, FinishReason, RequestError, TokenLogprob
 from engine_server.frontend.outputs import CompletionChunk, EngineState, GenerateOutput, GenerateRequest
 
@@ -43,7 +44,7 @@ class FakeTokenizer:
 
 class FakeEngine:
     def __init__(self, tokenizer_dir: Path, *, delay: float = 0.0) -> None:
-        self.model_info = SimpleNamespace(
+        self.model_info = ModelInfo(
             model_path=str(tokenizer_dir), architecture="FakeForCausalLM", task="generate",
             max_model_len=MAX_MODEL_LEN, vocab_size=5000, bos_token_id=1, eos_token_ids=(2,),
             pad_token_id=None,
@@ -69,7 +70,7 @@ class FakeEngine:
         return EngineStats(num_running=self.num_running, num_waiting=self.num_waiting, num_free_blocks=48,
                            num_total_blocks=64)
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         if self.state is not EngineState.SERVING:
             from engine_server.engine.types import EngineDead
 
@@ -81,7 +82,7 @@ class FakeEngine:
         self.received.append(request)
         return self._run(state)
 
-    async def _run(self, state: _Request) -> AsyncIterator[GenerateOutput]:
+    async def _run(self, state: _Request) -> AsyncGenerator[GenerateOutput, None]:
         request = state.request
         params = request.params
         n = params.n

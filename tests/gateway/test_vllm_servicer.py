@@ -6,7 +6,9 @@ import asyncio
 import hashlib
 import io
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from engine_server.api.vllm_compat.requests import ENGINE_ID_PREFIX
@@ -31,11 +33,11 @@ def make_request(
     )
 
 
-async def poll(predicate: object, *, limit_s: float = DEADLINE) -> None:
+async def poll(predicate: Callable[[], bool], *, limit_s: float = DEADLINE) -> None:
     """Wait (bounded) until predicate() is true, yielding to the loop between checks."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit_s
-    while not predicate():  # type: ignore[operator]
+    while not predicate():
         if loop.time() > deadline:
             raise AssertionError("condition not reached before the deadline")
         await asyncio.sleep(0.005)
@@ -120,7 +122,7 @@ async def test_logprobs(client: VllmClient) -> None:
     ({"temperature": -1.0}, "temperature"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
-async def test_invalid_arguments(client: VllmClient, params: dict[str, object], field: str) -> None:
+async def test_invalid_arguments(client: VllmClient, params: dict[str, Any], field: str) -> None:
     with pytest.raises(GRPCError) as info:
         await client.generate_all(make_request(stream=True, **params))
     assert info.value.status is Status.INVALID_ARGUMENT

@@ -7,13 +7,29 @@ import contextlib
 import struct
 from collections.abc import AsyncIterator, Callable
 from ssl import SSLContext
+from typing import cast
 
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
-from h2.events import ConnectionTerminated, Event, PingAckReceived, PingReceived, StreamEnded, StreamReset
+from h2.events import (
+    ConnectionTerminated,
+    Event,
+    PingAckReceived,
+    PingReceived,
+    ResponseReceived,
+    StreamEnded,
+    StreamReset,
+    TrailersReceived,
+)
 from h2.exceptions import ProtocolError
 from sec_fakes import WAIT_S
+
+
+def text_headers(event: ResponseReceived | TrailersReceived) -> list[tuple[str, str]]:
+    """A received event's headers: text, as RawH2's connection decodes them (header_encoding="utf-8"), though
+    h2 types them as bytes."""
+    return cast("list[tuple[str, str]]", event.headers)
 
 
 def grpc_frame(message: bytes) -> bytes:

@@ -24,7 +24,7 @@ from engine_server.engine.config import EngineConfig
 from h2.errors import ErrorCodes
 from h2.events import DataReceived, TrailersReceived
 from sec_fakes import WAIT_S
-from sec_raw_h2 import RawH2, raw_h2
+from sec_raw_h2 import RawH2, raw_h2, text_headers
 
 GENERATE = "/engine.v1.EngineService/Generate"
 TOKENIZE = "/engine.v1.EngineService/Tokenize"
@@ -87,7 +87,7 @@ def responses(raw: RawH2, stream_id: int) -> list[generate_pb2.GenerateResponse]
 def grpc_status(raw: RawH2, stream_id: int) -> str | None:
     for event in raw.events:
         if isinstance(event, TrailersReceived) and event.stream_id == stream_id:
-            return dict(event.headers).get("grpc-status")
+            return dict(text_headers(event)).get("grpc-status")
     return None
 
 
@@ -114,7 +114,8 @@ async def test_idle_connections_get_goaway_when_drain_begins_busy_ones_after_the
                 assert (raw.goaway.error_code, raw.goaway.additional_data) == (ErrorCodes.NO_ERROR, b"drain")
                 assert raw.goaway.last_stream_id == last_stream_id
             await round_trip(busy)
-            assert busy.goaway is None, "GOAWAY while a stream was open (grpclib clients would lose it)"
+            goaway_while_busy = busy.goaway  # (a copy: mypy would keep `busy.goaway` narrowed to None below)
+            assert goaway_while_busy is None, "GOAWAY while a stream was open (grpclib clients would lose it)"
             assert not drain.done()
 
             engine.gate.set()

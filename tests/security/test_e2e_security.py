@@ -6,6 +6,7 @@ One server for the module: starting it dominates the run time (tens of seconds o
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Iterator
 
@@ -47,7 +48,7 @@ def server(cert_files: CertFiles) -> Iterator[RunningServer]:
 
 
 @pytest.fixture
-def client_ssl(cert_files: CertFiles) -> object:
+def client_ssl(cert_files: CertFiles) -> ssl.SSLContext:
     return build_client_ssl_context(
         ca_file=cert_files.ca, cert_file=cert_files.client_cert, key_file=cert_files.client_key
     )
@@ -75,9 +76,9 @@ async def _wait_engine_idle(stub: EngineServiceStub) -> info_pb2.Load:
 
 
 async def test_mtls_api_key_and_health(
-    server: RunningServer, client_ssl: object, cert_files: CertFiles
+    server: RunningServer, client_ssl: ssl.SSLContext, cert_files: CertFiles
 ) -> None:
-    channel = Channel("127.0.0.1", server.port, ssl=client_ssl)  # type: ignore[arg-type]
+    channel = Channel("127.0.0.1", server.port, ssl=client_ssl)
     try:
         stub = EngineServiceStub(channel)
         health = await HealthStub(channel).Check(HealthCheckRequest(), timeout=WAIT_S)
@@ -100,8 +101,8 @@ async def test_mtls_api_key_and_health(
         no_cert.close()
 
 
-async def test_oversized_message(server: RunningServer, client_ssl: object) -> None:
-    channel = Channel("127.0.0.1", server.port, ssl=client_ssl)  # type: ignore[arg-type]
+async def test_oversized_message(server: RunningServer, client_ssl: ssl.SSLContext) -> None:
+    channel = Channel("127.0.0.1", server.port, ssl=client_ssl)
     try:
         stub = EngineServiceStub(channel)
         with pytest.raises(GRPCError) as err:
@@ -113,14 +114,16 @@ async def test_oversized_message(server: RunningServer, client_ssl: object) -> N
         channel.close()
 
 
-async def test_floods_get_goaway_and_leave_the_engine_idle(server: RunningServer, client_ssl: object) -> None:
-    channel = Channel("127.0.0.1", server.port, ssl=client_ssl)  # type: ignore[arg-type]
+async def test_floods_get_goaway_and_leave_the_engine_idle(
+    server: RunningServer, client_ssl: ssl.SSLContext
+) -> None:
+    channel = Channel("127.0.0.1", server.port, ssl=client_ssl)
     metadata = tuple(AUTH.items())
     message = _long_request("rr").SerializeToString()
     try:
         stub = EngineServiceStub(channel)
         # 1) rapid reset
-        async with raw_h2(server.port, ssl=client_ssl, metadata=metadata) as raw:  # type: ignore[arg-type]
+        async with raw_h2(server.port, ssl=client_ssl, metadata=metadata) as raw:
             for _ in range(100):
                 if raw.is_closed:
                     break
@@ -134,7 +137,7 @@ async def test_floods_get_goaway_and_leave_the_engine_idle(server: RunningServer
                 b"rapid_reset",
             )
         # 2) PING flood
-        async with raw_h2(server.port, ssl=client_ssl) as raw:  # type: ignore[arg-type]
+        async with raw_h2(server.port, ssl=client_ssl) as raw:
             for _ in range(100):
                 if raw.is_closed:
                     break
@@ -148,7 +151,7 @@ async def test_floods_get_goaway_and_leave_the_engine_idle(server: RunningServer
                 b"too_many_pings",
             )
         # 3) streams that reached the engine, then reset: their requests are aborted, their KV blocks freed
-        async with raw_h2(server.port, ssl=client_ssl, metadata=metadata) as raw:  # type: ignore[arg-type]
+        async with raw_h2(server.port, ssl=client_ssl, metadata=metadata) as raw:
             stream_ids = [
                 raw.start_call(GENERATE, _long_request(f"slow-{i}").SerializeToString()) for i in range(16)
             ]
