@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Any
 
@@ -67,3 +68,27 @@ def reference_greedy(model: Any, prompts: list[list[int]], max_tokens: list[int]
                 tokens = tokens[:tokens.index(eos_id) + 1]
             out[i] = tokens
     return out
+
+
+KERNEL_VARIANTS = ("native", "portable")
+
+
+@functools.cache
+def cpu_kernel_variant(variant: str) -> Any:
+    """The engine's CPU kernels as the engine builds them ("native": AVX-512 where the CPU has it), or
+    built with -mno-avx512f ("portable": the code CPUs without AVX-512 run), so both get checked here."""
+    import os
+
+    import pytest
+    from engine_server.engine import cpu_kernels
+
+    if os.environ.get(cpu_kernels.DISABLE_ENV) == "0":
+        pytest.skip(f"{cpu_kernels.DISABLE_ENV}=0: the kernels are switched off")
+    kernels = (cpu_kernels.load() if variant == "native"
+               else cpu_kernels._load("engine_cpu_kernels_portable", ("-mno-avx512f",)))
+    assert kernels is not None, "the engine's CPU kernels did not build (see the log for why)"
+    if variant == "portable":
+        assert kernels.isa() == "portable"
+    elif " avx512f " in f"{open('/proc/cpuinfo').read()} ":  # noqa: SIM115
+        assert kernels.isa() == "avx512"
+    return kernels

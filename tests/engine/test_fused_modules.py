@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from engine_server.engine import cpu_kernels
 from engine_server.engine.cpu_kernels import CpuKernels
 from engine_server.engine.fused_modules import fuse_modules
+from engine_testutil import KERNEL_VARIANTS, cpu_kernel_variant
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(scope="module")
-def kernels() -> CpuKernels:
-    if os.environ.get(cpu_kernels.DISABLE_ENV) == "0":
-        pytest.skip(f"{cpu_kernels.DISABLE_ENV}=0: the kernels are switched off")
-    loaded = cpu_kernels.load()
-    assert loaded is not None, "the engine's CPU kernels did not build (see the log for why)"
+@pytest.fixture(scope="module", params=KERNEL_VARIANTS)
+def kernels(request: pytest.FixtureRequest) -> CpuKernels:
+    loaded: CpuKernels = cpu_kernel_variant(request.param)
     return loaded
 
 

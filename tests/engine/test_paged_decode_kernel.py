@@ -6,7 +6,6 @@ Random paged caches with scattered block tables; GQA groups, a head size that is
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Callable
 from typing import Any
@@ -15,18 +14,16 @@ import pytest
 import torch
 from engine_server.engine import cpu_kernels
 from engine_server.engine.attention import DecodeBatch, PagedMetadata, paged_attention_forward
+from engine_testutil import KERNEL_VARIANTS, cpu_kernel_variant
 
 BLOCK = 16
 NUM_BLOCKS = 64
 
 
-@pytest.fixture(scope="module")
-def kernel() -> Callable[..., None]:
-    if os.environ.get(cpu_kernels.DISABLE_ENV) == "0":
-        pytest.skip(f"{cpu_kernels.DISABLE_ENV}=0: the kernel is switched off")
-    kernels = cpu_kernels.load()
-    assert kernels is not None, "the engine's CPU kernels did not build (see the log for why)"
-    return kernels.paged_decode_attention
+@pytest.fixture(scope="module", params=KERNEL_VARIANTS)
+def kernel(request: pytest.FixtureRequest) -> Callable[..., None]:
+    fn: Callable[..., None] = cpu_kernel_variant(request.param).paged_decode_attention
+    return fn
 
 
 def _case(seed: int, *, kv_heads: int, group: int, d: int, dtype: torch.dtype,

@@ -55,6 +55,8 @@ class CpuKernels(Protocol):
 
     def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None: ...
 
+    def isa(self) -> str: ...  # "avx512" or "portable"
+
 
 def _cpu_signature() -> str:
     try:
@@ -70,10 +72,10 @@ def _sources() -> list[Path]:
     return sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h"))
 
 
-def _cache_dir() -> Path:
+def _cache_dir(name: str, cflags: list[str]) -> Path:
     key = hashlib.sha256("\n".join([
-        *(p.read_text() for p in _sources()), " ".join(_CFLAGS + _LDFLAGS), torch.__version__, sys.version,
-        _cpu_signature(),
+        name, *(p.read_text() for p in _sources()), " ".join(cflags + _LDFLAGS), torch.__version__,
+        sys.version, _cpu_signature(),
     ]).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"cpu-{key}"
 
@@ -88,7 +90,7 @@ def _import(name: str, path: Path) -> Any:
     return module
 
 
-def _build(final: Path, name: str) -> Any:
+def _build(final: Path, name: str, cflags: list[str]) -> Any:
     from torch.utils.cpp_extension import load
 
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -101,7 +103,7 @@ def _build(final: Path, name: str) -> Any:
     # lock behind (torch's own build directory lock would make every later start wait on it).
     tmp = Path(tempfile.mkdtemp(prefix=".cpu-", dir=final.parent))
     try:
-        module = load(name, sources=[str(p) for p in _sources() if p.suffix == ".cpp"], extra_cflags=_CFLAGS,
+        module = load(name, sources=[str(p) for p in _sources() if p.suffix == ".cpp"], extra_cflags=cflags,
                       extra_ldflags=_LDFLAGS, build_directory=str(tmp), verbose=False)
         try:
             os.rename(tmp, final)
@@ -123,15 +125,19 @@ def load() -> CpuKernels | None:
     return _loaded[_NAME]
 
 
-def _load() -> CpuKernels | None:
+def _load(name: str = _NAME, extra_cflags: tuple[str, ...] = ()) -> CpuKernels | None:
+    """`extra_cflags`: a variant of the build under its own module name (the tests build the portable code
+    with -mno-avx512f, so the path CPUs without AVX-512 run is checked here too)."""
+    cflags = _CFLAGS + list(extra_cflags)
     try:
-        final = _cache_dir()
-        library = final / f"{_NAME}.so"
+        final = _cache_dir(name, cflags)
+        library = final / f"{name}.so"
         if library.exists():
-            module: CpuKernels = _import(_NAME, library)
+            module: CpuKernels = _import(name, library)
         else:
             log.info("compiling the engine's CPU kernels (once; cached in %s)", final)
-            module = _build(final, _NAME)
+            module = _build(final, name, cflags)
+        log.info("the engine's CPU kernels: %s build", module.isa())
         return module
     except Exception as e:  # no compiler, headers or disk: the torch path gives the same results
         log.warning("the engine's CPU kernels are unavailable, using the torch path: %s", e)

@@ -2,10 +2,18 @@
 #include <torch/extension.h>
 
 #include "ops.h"
+#include "simd.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &engine_kernels::paged_decode_attention,
         "decode attention over a paged KV cache (CPU)");
   m.def("rms_norm", &engine_kernels::rms_norm, "Llama-style RMSNorm over the last dim (CPU)");
   m.def("silu_and_mul", &engine_kernels::silu_and_mul, "T(silu(gate)) * up (CPU)");
+  m.def("isa", [] {
+#ifdef ENGINE_AVX512
+    return "avx512";
+#else
+    return "portable";
+#endif
+  }, "which implementation this build compiled: avx512 or portable");
 }
