@@ -151,27 +151,24 @@ class ModelRunner:
                 first = i
         return ends
 
-    def _decode_batch(self, decodes: list[ScheduledSeq], kernel: Callable[..., None]) -> DecodeBatch:
+    def _decode_tables(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context lengths [n] and block tables [n, max_blocks] (padded with block 0) of decode tokens."""
         context_lens = [s.start + 1 for s in decodes]
         max_blocks = -(-max(context_lens) // self.block_size)
         tables = [s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
                   for s in decodes]
-        return DecodeBatch(q_start=0, q_end=len(decodes),
-                           block_tables=torch.tensor(tables, dtype=torch.long, device=self.device),
-                           context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
+        return (torch.tensor(context_lens, dtype=torch.long, device=self.device),
+                torch.tensor(tables, dtype=torch.long, device=self.device).view(len(decodes), max_blocks))
+
+    def _decode_batch(self, decodes: list[ScheduledSeq], kernel: Callable[..., None]) -> DecodeBatch:
+        context_lens, tables = self._decode_tables(decodes)
+        return DecodeBatch(q_start=0, q_end=len(decodes), block_tables=tables, context_lens=context_lens,
                            kernel=kernel)
 
     def _decode_group(self, decodes: list[ScheduledSeq], first: int, end: int) -> DecodeGroup:
-        size = self.block_size
-        group = decodes[first:end]
-        context_lens = [s.start + 1 for s in group]
-        max_blocks = -(-max(context_lens) // size)
-        tables = [s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
-                  for s in group]
-        pos = torch.arange(max_blocks * size, device=self.device)
-        lens_t = torch.tensor(context_lens, dtype=torch.long, device=self.device)
+        lens_t, tables = self._decode_tables(decodes[first:end])
+        pos = torch.arange(tables.shape[1] * self.block_size, device=self.device)
         past = pos[None, :] >= lens_t[:, None]
         mask = torch.zeros(past.shape, dtype=self.kv_caches[0][0].dtype, device=self.device)
-        return DecodeGroup(q_start=first, q_end=end,
-                           blocks=torch.tensor(tables, dtype=torch.long, device=self.device).view(-1),
+        return DecodeGroup(q_start=first, q_end=end, blocks=tables.view(-1),
                            mask=mask.masked_fill_(past, float("-inf"))[:, None, None, :], context_lens=lens_t)

@@ -81,13 +81,9 @@ void rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, t
   check_same(x, out, "rms_norm");
   const int64_t hidden = x.size(-1);
   TORCH_CHECK(weight.numel() == hidden && out.numel() == x.numel(), "rms_norm: shapes");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "rms_norm: float64 is not supported");
-    } else {
-      rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                              x.numel() / hidden, hidden, static_cast<float>(eps));
-    }
+  ENGINE_DISPATCH_MODEL_DTYPES(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            x.numel() / hidden, hidden, static_cast<float>(eps));
   });
 }
 
@@ -95,13 +91,8 @@ void silu_and_mul(const torch::Tensor& gate, const torch::Tensor& up, torch::Ten
   check_same(gate, up, "silu_and_mul");
   check_same(gate, out, "silu_and_mul");
   TORCH_CHECK(gate.numel() == up.numel() && gate.numel() == out.numel(), "silu_and_mul: shapes");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_and_mul", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "silu_and_mul: float64 is not supported");
-    } else {
-      silu_mul<scalar_t>(gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                         gate.numel());
-    }
+  ENGINE_DISPATCH_MODEL_DTYPES(gate.scalar_type(), "silu_and_mul", [&] {
+    silu_mul<scalar_t>(gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate.numel());
   });
 }
 

@@ -221,16 +221,12 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
   TORCH_CHECK(k_cache.size(2) == kv_heads && k_cache.size(3) == d, "paged_decode_attention: cache shape");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
                   q.scalar_type() == out.scalar_type(), "paged_decode_attention: one dtype expected");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "paged_decode_attention: float64 is not supported");
-    } else {
-      decode<scalar_t>(Args<scalar_t>{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                                      v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
-                                      context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), n, kv_heads,
-                                      group, d, k_cache.size(1), block_tables.size(1), window,
-                                      static_cast<float>(scale), static_cast<float>(softcap)});
-    }
+  ENGINE_DISPATCH_MODEL_DTYPES(q.scalar_type(), "paged_decode_attention", [&] {
+    decode<scalar_t>(Args<scalar_t>{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                    block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                                    out.data_ptr<scalar_t>(), n, kv_heads, group, d, k_cache.size(1),
+                                    block_tables.size(1), window, static_cast<float>(scale),
+                                    static_cast<float>(softcap)});
   });
 }
 

@@ -1,6 +1,7 @@
-// SIMD helpers shared by the engine's CPU kernels (AVX-512 when the build machine has it).
+// Helpers shared by the engine's CPU kernels: dtype dispatch, and SIMD (AVX-512 when the build machine has it).
 #pragma once
 
+#include <ATen/Dispatch.h>
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -10,6 +11,13 @@
 #include <immintrin.h>
 #define ENGINE_AVX512 1
 #endif
+
+// The dtypes a model runs in (float32, bfloat16, float16), with scalar_t bound in the body as AT_DISPATCH_*
+// does; any other dtype (float64) is refused with ATen's "not implemented for" error.
+#define ENGINE_DISPATCH_MODEL_DTYPES(TYPE, NAME, ...)                                        \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                  \
+                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)           \
+                                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 namespace engine_kernels {
 
