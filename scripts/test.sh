@@ -51,7 +51,7 @@ if [ -f clients/rust/Cargo.toml ]; then
 fi
 
 step "Python tests"
-# the engine's CPU kernel is compiled once per machine (~25 s); built here, so no server started by
+# the engine's CPU kernels are compiled once per machine (~40 s); built here, so no server started by
 # a test spends its start-up timeout compiling it
 python -m engine_server.engine.cpu_kernels
 python -m pytest tests -q -p no:cacheprovider
