@@ -1,5 +1,6 @@
 """FastSender (the streaming hot path) delivers exactly what grpclib's send_message would, in order: small
-messages, messages larger than a frame, more data than the flow-control window, with a listener present."""
+messages, messages larger than a frame, more data than the flow-control window, with a listener present; its
+constant header blocks decode to what grpclib sends and leave the HPACK tables alone."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from typing import Any
 import pytest
 from engine_proto.engine.v1 import generate_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
-from engine_server.api.fast_send import FastSender
+from engine_server.api.fast_send import OK_TRAILERS_BLOCK, FastSender, initial_headers_block
 from engine_server.api.security import build_server
 from engine_server.api.security.config import SecurityConfig
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Handler
-from grpclib.events import SendMessage, listen
+from grpclib.events import SendInitialMetadata, SendMessage, SendTrailingMetadata, listen
+from hpack import Decoder
 
 TIMEOUT = 30.0
 # (number of token ids) per message: small ones, one over h2's 16 KiB frame size, then enough to pass 1 MiB.
@@ -23,16 +25,17 @@ SIZES = [1, 3, 1, 9000, 2, *([500] * 400), 1]
 
 class _StreamingService:
     def __init__(self) -> None:
-        self.fast_paths: list[bool] = []
+        self.fast_paths: list[tuple[bool, bool, bool]] = []  # (messages, headers, trailers)
 
     async def generate(self, stream: Any) -> None:
         await stream.recv_message()
         sender = FastSender(stream)
-        self.fast_paths.append(sender._ok)
+        await sender.send_initial_metadata()
         for i, size in enumerate(SIZES):
             response = generate_pb2.GenerateResponse(request_id=f"m{i}")
             response.completions.add(index=0).token_ids.extend([i % 1000] * size)
             await sender.send(response)
+        self.fast_paths.append((sender._ok, sender._headers_ok, sender.try_send_ok_trailers()))
 
     def __mapping__(self) -> dict[str, Handler]:
         return {"/engine.v1.EngineService/Generate": Handler(
@@ -40,29 +43,48 @@ class _StreamingService:
             generate_pb2.GenerateResponse)}
 
 
-@pytest.mark.parametrize("with_listener", [False, True])
-async def test_fast_send_matches_the_protocol(with_listener: bool) -> None:
+def test_header_blocks_decode_to_grpclibs_headers_without_indexing() -> None:
+    decoder = Decoder()
+    initial = decoder.decode(initial_headers_block("application/grpc+proto"), raw=True)
+    assert [tuple(h) for h in initial] == [(b":status", b"200"), (b"content-type", b"application/grpc+proto")]
+    trailers = decoder.decode(OK_TRAILERS_BLOCK, raw=True)
+    assert [tuple(h) for h in trailers] == [(b"grpc-status", b"0")]
+    assert len(decoder.header_table.dynamic_entries) == 0  # the peer's table is unchanged
+
+
+LISTENERS: list[Any] = [None, SendMessage, SendInitialMetadata, SendTrailingMetadata]
+
+
+@pytest.mark.parametrize("listener", LISTENERS, ids=lambda event: getattr(event, "__name__", "none"))
+async def test_fast_send_matches_the_protocol(listener: Any) -> None:
     service = _StreamingService()
     server = build_server([service], SecurityConfig())
-    if with_listener:
-        async def on_send(event: SendMessage) -> None:
+    if listener is not None:
+        async def on_event(event: Any) -> None:
             pass
 
-        listen(server, SendMessage, on_send)
+        listen(server, listener, on_event)
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     channel = Channel("127.0.0.1", port)
     try:
         async with asyncio.timeout(TIMEOUT):
             stub = EngineServiceStub(channel)
-            for _ in range(2):  # two calls on one connection: windows are kept right across calls
+            for _ in range(3):  # calls on one connection: windows and HPACK tables stay right across calls
                 async with stub.Generate.open() as stream:
                     await stream.send_message(generate_pb2.GenerateRequest(), end=True)
+                    await stream.recv_initial_metadata()
                     received = [response async for response in stream]
+                    await stream.recv_trailing_metadata()
+                assert stream.initial_metadata == {}  # grpclib's client rejects a bad content-type itself
+                assert stream.trailing_metadata == {}
                 assert [r.request_id for r in received] == [f"m{i}" for i in range(len(SIZES))]
                 assert [len(r.completions[0].token_ids) for r in received] == SIZES
                 assert all(set(r.completions[0].token_ids) == {i % 1000} for i, r in enumerate(received))
-        assert service.fast_paths == [not with_listener] * 2
+        fast = listener is None
+        expected = (fast or listener is not SendMessage, fast or listener is SendTrailingMetadata,
+                    fast or listener is SendInitialMetadata)
+        assert service.fast_paths == [expected] * 3
     finally:
         channel.close()
         server.close()

@@ -1,5 +1,6 @@
 """The streaming hot path: a Generate response as one hand-built HTTP/2 DATA frame, without grpclib's and h2's
-per-message machinery (event dispatch, BytesIO, h2's stream/connection state machines, frame objects).
+per-message machinery (event dispatch, BytesIO, h2's stream/connection state machines, frame objects); the
+response headers and the OK trailers as constant HPACK blocks.
 
 Measured at 256 streams on the simulated engine, `grpclib.Stream.send_message` was ~30% of the frontend's CPU;
 the bytes it produces are a 9-byte frame header + the 5-byte gRPC prefix + the message. This writes the same
@@ -7,37 +8,65 @@ bytes and keeps h2's books (both flow-control windows) and grpclib's counters as
 unusual falls back to `send_message`: headers not sent yet, a SendMessage listener, a stream not in
 HALF_CLOSED_REMOTE, a window or frame-size limit, writes paused, an unexpected grpclib/h2 (grpclib is pinned
 < 0.5; tests/perf checks this path against the slow one).
+
+Headers and trailers: h2's `send_headers` (HPACK encoding, header validation, frame objects) and grpclib's
+around it cost ~10% of the frontend's CPU at 256 streams, for two header blocks that never change. The blocks
+below use only the static table and literals "without indexing", so h2's HPACK encoder (whose dynamic table
+the client mirrors) is left exactly as it was; the stream's state machine is driven as h2 would drive it.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 import time
 from typing import Any
 
-from grpclib.events import SendMessage
-from h2.stream import StreamState
+from grpclib.events import SendInitialMetadata, SendMessage, SendTrailingMetadata
+from h2.connection import ConnectionInputs, ConnectionState
+from h2.stream import StreamInputs, StreamState
 
 _FRAME = struct.Struct(">BHBBL")  # 24-bit length (as 8 + 16 bits), type, flags, stream id
 _PREFIX = struct.Struct(">BL")  # gRPC: compressed flag, message length
-_DATA = 0x0
+_DATA, _HEADERS = 0x0, 0x1
+_END_STREAM, _END_HEADERS = 0x1, 0x4
+
+
+def _hpack_string(value: bytes) -> bytes:
+    assert len(value) < 0x7F  # a 7-bit length prefix, no Huffman coding
+    return bytes([len(value)]) + value
+
+
+@functools.cache
+def initial_headers_block(content_type: str) -> bytes:
+    """":status: 200" (static entry 8, indexed), content-type (static name 31, literal without indexing)."""
+    return b"\x88" + b"\x0f\x10" + _hpack_string(content_type.encode("ascii"))
+
+
+# "grpc-status: 0": a literal without indexing with a new name.
+OK_TRAILERS_BLOCK = b"\x00" + _hpack_string(b"grpc-status") + _hpack_string(b"0")
 
 
 class FastSender:
     """Per call: `await sender.send(message)` instead of `await stream.send_message(message)`."""
 
-    __slots__ = ("_connection", "_h2", "_ok", "_proto_stream", "_stream", "_transport")
+    __slots__ = (
+        "_connection", "_h2", "_headers_ok", "_ok", "_proto_stream", "_stream", "_trailers_ok", "_transport"
+    )
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
-        self._ok = False
+        self._ok = self._headers_ok = self._trailers_ok = False
         try:
             proto_stream = stream._stream
             self._proto_stream = proto_stream
             self._h2 = proto_stream._h2_connection
             self._transport = proto_stream._transport
             self._connection = proto_stream.connection
-            self._ok = not stream._dispatch._listeners.get(SendMessage)
+            listeners = stream._dispatch._listeners
+            self._ok = not listeners.get(SendMessage)
+            self._headers_ok = self._ok and not listeners.get(SendInitialMetadata)
+            self._trailers_ok = self._ok and not listeners.get(SendTrailingMetadata)
         except AttributeError:  # another grpclib: the slow path only
             self._ok = False
 
@@ -78,4 +107,48 @@ class FastSender:
         stream._messages_sent += 1
         connection.messages_sent += 1
         connection.last_message_sent = time.monotonic()
+        return True
+
+    async def send_initial_metadata(self) -> None:
+        """The response headers (no custom metadata)."""
+        stream = self._stream
+        if not (self._headers_ok and not stream._send_initial_metadata_done
+                and self._try_send_headers(initial_headers_block(stream._content_type), end_stream=False)):
+            await stream.send_initial_metadata()
+            return
+        stream._send_initial_metadata_done = True
+
+    def try_send_ok_trailers(self) -> bool:
+        """Ends the call with status OK if the fast path applies; False: grpclib's `Stream.__aexit__` will."""
+        stream = self._stream
+        if not (self._trailers_ok and stream._send_initial_metadata_done
+                and not stream._send_trailing_metadata_done
+                and self._try_send_headers(OK_TRAILERS_BLOCK, end_stream=True)):
+            return False
+        stream._send_trailing_metadata_done = True
+        return True
+
+    def _try_send_headers(self, block: bytes, *, end_stream: bool) -> bool:
+        h2 = self._h2
+        proto_stream = self._proto_stream
+        h2_stream = h2.streams.get(proto_stream.id)
+        if (h2_stream is None or h2_stream.state_machine.state is not StreamState.HALF_CLOSED_REMOTE
+                or h2.state_machine.state is not ConnectionState.SERVER_OPEN
+                or h2.encoder.header_table.resized  # a pending table-size update must lead the next block
+                or len(block) > h2.max_outbound_frame_size or not self._connection.write_ready.is_set()
+                or self._transport.is_closing()):
+            return False
+        h2.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
+        h2_stream.state_machine.process_input(StreamInputs.SEND_HEADERS)
+        flags = _END_HEADERS
+        if end_stream:
+            h2_stream.state_machine.process_input(StreamInputs.SEND_END_STREAM)
+            flags |= _END_STREAM
+        pending = h2.data_to_send()
+        if pending:
+            self._transport.write(pending)
+        size = len(block)
+        header = _FRAME.pack(size >> 16, size & 0xFFFF, _HEADERS, flags, proto_stream.id)
+        self._transport.write(header + block)
+        self._connection.headers_send_process()
         return True

@@ -181,7 +181,7 @@ class EngineServicer(EngineServiceBase):
                 timer.on_output(sum(len(chunk.token_ids) for chunk in output.chunks))
             return True
 
-        await stream.send_initial_metadata()
+        await sender.send_initial_metadata()
         outputs.set_sink(push)
         try:
             async for output in outputs:
@@ -194,6 +194,7 @@ class EngineServicer(EngineServiceBase):
                 is_sending = False
         finally:
             outputs.set_sink(None)
+        sender.try_send_ok_trailers()  # else grpclib sends them when this handler returns
         if timer is not None and metrics is not None:
             metrics.on_request_done(timer, num_prompt_tokens=len(request.prompt_token_ids),
                                     num_completion_tokens=sum(num_completion_tokens))

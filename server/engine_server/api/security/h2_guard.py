@@ -48,6 +48,7 @@ from h2.events import (
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
 
+from engine_server.api.h2_streams import use_lazy_counting
 from engine_server.api.security.budget import GuardStats, TokenBucket
 from engine_server.api.security.config import H2Policy
 from engine_server.api.security.goaway import (
@@ -156,6 +157,7 @@ class GuardedH2Protocol(H2Protocol):
             transport = self._batching
         self._transport = cast(asyncio.Transport, transport)
         super().connection_made(transport)
+        use_lazy_counting(self._h2)
         self.processor = GuardedEventsProcessor(
             self.handler, self.connection, on_release=self._stream_released
         )

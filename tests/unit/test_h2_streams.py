@@ -1,0 +1,95 @@
+"""api/h2_streams.py: the lazy open-stream count behaves exactly like h2's own (same events, same frames, the
+same refusal at the limit) and still drops closed streams from the table."""
+
+from __future__ import annotations
+
+import random
+
+from engine_server.api.h2_streams import LazyCountingH2Connection, use_lazy_counting
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.exceptions import TooManyStreamsError
+from h2.settings import SettingCodes
+
+LIMIT = 20
+REQUEST = [(":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authority", "a")]
+RESPONSE = [(":status", "200")]
+
+
+def _pair(*, lazy: bool, limit: int) -> tuple[H2Connection, H2Connection]:
+    client = H2Connection(H2Configuration(client_side=True))
+    server = H2Connection(H2Configuration(client_side=False))
+    if lazy:
+        use_lazy_counting(server)
+    client.initiate_connection()
+    server.initiate_connection()
+    server.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: limit})
+    for _ in range(2):  # preface and SETTINGS both ways, then the ACKs
+        server.receive_data(client.data_to_send())
+        client.receive_data(server.data_to_send())
+    return client, server
+
+
+def _run(script: list[tuple[str, int]], *, lazy: bool, limit: int = LIMIT) -> tuple[list[str], list[int]]:
+    """Until the server refuses a stream over the limit (h2 raises TooManyStreamsError from receive_data)."""
+    client, server = _pair(lazy=lazy, limit=limit)
+    client.remote_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS].append(2**31 - 1)
+    client.remote_settings.acknowledge()
+    log: list[str] = []
+    table_sizes = []
+    open_ids: list[int] = []
+    for action, value in script:
+        if action == "open":
+            stream_id = client.get_next_available_stream_id()
+            client.send_headers(stream_id, REQUEST, end_stream=True)
+            open_ids.append(stream_id)
+        elif open_ids:  # the server answers one of its open streams and ends it
+            stream_id = open_ids.pop(value % len(open_ids))
+            if stream_id in server.streams and server.streams[stream_id].open:
+                server.send_headers(stream_id, RESPONSE, end_stream=True)
+        try:
+            events = server.receive_data(client.data_to_send())
+        except TooManyStreamsError as exc:
+            log.append(repr(exc))
+            break
+        log.extend(type(event).__name__ + str(getattr(event, "stream_id", "")) for event in events)
+        reply = server.data_to_send()
+        log.append(reply.hex())
+        client.receive_data(reply)
+        table_sizes.append(len(server.streams))
+    return log, table_sizes
+
+
+def _script(seed: int, *, max_open: int, length: int) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    script: list[tuple[str, int]] = []
+    num_open = 0
+    for _ in range(length):
+        action = "open" if num_open < max_open and (num_open == 0 or rng.random() < 0.5) else "close"
+        num_open += 1 if action == "open" else -1
+        script.append((action, rng.randrange(1000)))
+    return script
+
+
+def test_same_events_and_frames_as_h2_with_refusals_at_the_limit() -> None:
+    # A long run just below the limit (the table fills with closed streams), then past it.
+    script = _script(7, max_open=LIMIT - 1, length=3000) + [("open", 0)] * (LIMIT + 1)
+    lazy_log, lazy_sizes = _run(script, lazy=True)
+    plain_log, _ = _run(script, lazy=False)
+    assert lazy_log == plain_log
+    assert "TooManyStreamsError" in lazy_log[-1]  # the limit was reached and enforced, as h2 does
+    assert len(lazy_log) > 1000  # ... after a long run below it
+    assert max(lazy_sizes) <= 2 * LIMIT + 64  # closed streams are still dropped
+
+
+def test_closed_streams_are_dropped_far_below_a_high_limit() -> None:
+    script = _script(11, max_open=LIMIT, length=3000)
+    lazy_log, lazy_sizes = _run(script, lazy=True, limit=10_000)
+    assert lazy_log == _run(script, lazy=False, limit=10_000)[0]
+    assert max(lazy_sizes) <= 2 * (LIMIT + 1) + 64  # the table is walked once it doubles, not at the limit
+
+
+def test_only_plain_connections_are_switched() -> None:
+    connection = H2Connection(H2Configuration(client_side=False))
+    use_lazy_counting(connection)
+    assert type(connection) is LazyCountingH2Connection
