@@ -162,14 +162,17 @@ class CompletionDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first prompt token has none
     error: str | None = None  # set with FinishReason.ERROR
 
+    @property
+    def is_plain(self) -> bool:
+        """New tokens of completion 0 and nothing else (the commonest delta by far)."""
+        return (self.index == 0 and self.logprobs is None and self.finish_reason is None
+                and self.stop_token_id is None and not self.num_prompt_tokens
+                and not self.num_cached_prompt_tokens and self.prompt_logprobs is None and self.error is None)
+
     def __reduce__(self) -> tuple[type[CompletionDelta], tuple[object, ...]]:
-        # NOTE: one delta per sequence per step crosses the process boundary. A slots dataclass unpickles
-        # through dataclasses' __setstate__, which calls fields() per object (~13% of the frontend's CPU at
-        # 256 streams); a constructor call is several times cheaper, and the common delta sends 3 fields.
-        if (self.logprobs is None and self.finish_reason is None and self.stop_token_id is None
-                and not self.num_prompt_tokens and not self.num_cached_prompt_tokens
-                and self.prompt_logprobs is None and self.error is None):
-            return CompletionDelta, (self.request_id, self.index, self.new_token_ids)
+        # NOTE: a slots dataclass unpickles through dataclasses' __setstate__, which calls fields() per
+        # object; a constructor call is several times cheaper. (Plain deltas do not come this way at all:
+        # StepOutput carries them as columns.)
         return CompletionDelta, (
             self.request_id, self.index, self.new_token_ids, self.logprobs, self.finish_reason,
             self.stop_token_id, self.num_prompt_tokens, self.num_cached_prompt_tokens, self.prompt_logprobs,

@@ -6,9 +6,14 @@ from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.types import EngineRequest, RequestError, SamplingParams
 
 MAX_REQUEST_ID_LEN = 256
+_INT = {int}
 
 
 def _check_token_ids(field_name: str, token_ids: tuple[int, ...], vocab_size: int) -> None:
+    # NOTE: the common case in C (type() per id, min, max); only a bad request walks the ids in Python.
+    if not token_ids or (set(map(type, token_ids)) == _INT and min(token_ids) >= 0
+                         and max(token_ids) < vocab_size):
+        return
     for i, token_id in enumerate(token_ids):
         # NOTE: bool is an int subclass; a bool token id is a caller bug, not token 0/1.
         if not isinstance(token_id, int) or isinstance(token_id, bool):

@@ -334,22 +334,32 @@ class AsyncEngine:
             rejected = requests.pop(request_id, None)
             if rejected is not None:
                 rejected.fail(error.to_exception())
+        for request_id, token_ids in zip(message.token_request_ids, message.token_ids, strict=True):
+            state = requests.get(request_id)
+            if state is None:
+                continue  # finished or failed here already
+            touched[state] = None
+            if state.add_tokens(token_ids):  # (only a stop string can end anything here)
+                self._settle(state, 0, ended_here=True)
         for delta in message.deltas:
             state = requests.get(delta.request_id)
             if state is None:
-                continue  # finished or failed here already
-            ended_here = state.process(delta)
+                continue
             touched[state] = None
-            if state.num_engine_unfinished == 0:
-                del requests[delta.request_id]
-            elif state.num_unfinished == 0 and not state.abort_sent:
-                # Every completion ended on a stop string: free its blocks now rather than at max_tokens.
-                self._abort_in_core(state)
-            elif ended_here:
-                # One of n completions ended on a stop string: stop its sequence; the others go on.
-                self._abort_completion_in_core(state, delta.index)
+            self._settle(state, delta.index, ended_here=state.process(delta))
         if not requests and self._idle_waiters:
             self._wake_idle_waiters()
+
+    def _settle(self, state: RequestState, index: int, *, ended_here: bool) -> None:
+        """After a delta: forget a request the engine is done with; stop what ended here on a stop string."""
+        if state.num_engine_unfinished == 0:
+            del self._requests[state.request_id]
+        elif state.num_unfinished == 0 and not state.abort_sent:
+            # Every completion ended on a stop string: free its blocks now rather than at max_tokens.
+            self._abort_in_core(state)
+        elif ended_here:
+            # One of n completions ended on a stop string: stop its sequence; the others go on.
+            self._abort_completion_in_core(state, index)
 
     def _on_reply(self, reply: CallReply) -> None:
         future = self._calls.pop(reply.call_id, None)

@@ -144,7 +144,7 @@ class _CoreLoop:
                 # NOTE: a step without news (a chunked-prefill step, say) is not worth a message.
                 if deltas or self._rejected or self._needs_step or stats != self._last_stats:
                     rejected, self._rejected = self._rejected, []
-                    conn.send(StepOutput(deltas, stats, rejected))
+                    conn.send(StepOutput.of(deltas, stats, rejected))
                     self._last_stats = stats
                 self._needs_step = False
 

@@ -202,6 +202,6 @@ class _MultiCoreLoop:
             rejected = self._rejected.pop(index, [])
             if mine or rejected or stats_changed or self._needs_step:
                 try:
-                    conn.send(StepOutput(mine or [], stats, rejected))
+                    conn.send(StepOutput.of(mine or [], stats, rejected))
                 except OSError:
                     self._detach(index)

@@ -81,6 +81,26 @@ class RequestState:
 
     # --- producer side (the engine's output task) ---------------------------------------------------
 
+    def add_tokens(self, token_ids: list[int]) -> bool:
+        """New tokens of completion 0 and nothing else (StepOutput's columns); as `process`."""
+        self.has_output = True
+        completion = self._completions[0]
+        if completion.is_finished:
+            return False
+        if not token_ids:
+            return False
+        if completion.detokenizer is None:  # token ids only, no stop strings: nothing to look at
+            completion.num_tokens += len(token_ids)
+            chunk = self._pending.get(0)
+            if chunk is None:
+                self._pending[0] = CompletionChunk(0, token_ids, "", None, None, None, completion.num_tokens)
+            else:
+                chunk.token_ids.extend(token_ids)
+                chunk.num_completion_tokens = completion.num_tokens
+            self._has_news = True
+            return False
+        return self._apply(0, completion, token_ids, None, None, None)
+
     def process(self, delta: CompletionDelta) -> bool:
         """Apply one engine delta. Call `wake()` once after the whole step has been processed.
 
@@ -99,8 +119,21 @@ class RequestState:
         completion = self._completions[delta.index]
         if completion.is_finished:
             return False  # finished here first (a stop string, or an abort); the engine is catching up
-        token_ids = delta.new_token_ids
-        logprobs = delta.logprobs
+        if finish is FinishReason.ERROR:
+            self._error_text = delta.error or "the engine failed this request"
+        return self._apply(delta.index, completion, delta.new_token_ids, delta.logprobs, finish,
+                           delta.stop_token_id)
+
+    def _apply(
+        self,
+        index: int,
+        completion: _Completion,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob] | None,
+        finish: FinishReason | None,
+        stop_token_id: int | None,
+    ) -> bool:
+        engine_finish = finish
         stop_reason: str | int | None = None
         text = ""
         detokenizer = completion.detokenizer
@@ -129,18 +162,16 @@ class RequestState:
             if not self._request.detokenize:
                 text = ""
         if finish is not None and stop_reason is None:
-            stop_reason = delta.stop_token_id
-        if finish is FinishReason.ERROR:
-            self._error_text = delta.error or "the engine failed this request"
+            stop_reason = stop_token_id
         completion.num_tokens += len(token_ids)
         if not token_ids and not text and finish is None:
             return False
-        self._add_chunk(delta.index, token_ids, text, logprobs, finish, stop_reason)
+        self._add_chunk(index, token_ids, text, logprobs, finish, stop_reason)
         if finish is None:
             return False
         completion.is_finished = True
         self.num_unfinished -= 1
-        return delta.finish_reason is None
+        return engine_finish is None
 
     def _add_chunk(
         self,

@@ -51,6 +51,10 @@ async def _recv_bounded(stream: Stream[Any, Any], max_size: int) -> Any:
 
 
 async def _recv_first_in_time(stream: Stream[Any, Any], max_size: int, timeout_s: float) -> Any:
+    if getattr(stream._stream.buffer, "_eof", False):
+        # The client half-closed the stream: everything it will send is buffered, so reading cannot wait
+        # (the common case: HEADERS and DATA+END_STREAM arrive together), and a timer is not worth arming.
+        return await _recv_bounded(stream, max_size)
     try:
         async with asyncio.timeout(timeout_s):
             return await _recv_bounded(stream, max_size)
