@@ -16,13 +16,15 @@ SAMPLES = (
 )
 
 
-def _stream(detokenizer: IncrementalDetokenizer, token_ids: list[int], rng: random.Random) -> str:
-    """Feeds the ids in random-sized groups (as coalesced engine deltas would arrive), then finishes."""
+def _stream(detokenizer: IncrementalDetokenizer, token_ids: list[int], rng: random.Random, full: str) -> str:
+    """Feeds the ids in random-sized groups (as coalesced engine deltas would arrive), then finishes; every
+    piece released must be final (the text so far is a prefix of the full decode)."""
     pieces = []
     position = 0
     while position < len(token_ids):
         size = rng.randint(1, 3)
         pieces.append(detokenizer.add_many(token_ids[position:position + size]))
+        assert full.startswith("".join(pieces)), token_ids
         position += size
     pieces.append(detokenizer.finish())
     return "".join(pieces)
@@ -40,37 +42,43 @@ def _random_ids(tokenizer: Tokenizer, rng: random.Random) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False], ids=["decode_stream", "prefix_offsets"])
+MODES = ["byte_tables", "decode_stream", "prefix_offsets"]
+
+
+def _detokenizer(tokenizer: Tokenizer, mode: str, *, skip_special_tokens: bool) -> IncrementalDetokenizer:
+    assert tokenizer.byte_tables is not None  # the tiny model's tokenizer is byte-level BPE
+    return IncrementalDetokenizer(
+        tokenizer.backend, skip_special_tokens=skip_special_tokens, use_decode_stream=mode == "decode_stream",
+        byte_tables=tokenizer.byte_tables if mode == "byte_tables" else None,
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_incremental_equals_full_decode(
-    tokenizer: Tokenizer, use_decode_stream: bool, skip_special_tokens: bool
-) -> None:
+def test_incremental_equals_full_decode(tokenizer: Tokenizer, mode: str, skip_special_tokens: bool) -> None:
     rng = random.Random(1234)
     for _ in range(400):
         token_ids = _random_ids(tokenizer, rng)
-        detokenizer = IncrementalDetokenizer(
-            tokenizer.backend, skip_special_tokens=skip_special_tokens, use_decode_stream=use_decode_stream
-        )
-        streamed = _stream(detokenizer, token_ids, rng)
-        assert streamed == tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens), token_ids
+        detokenizer = _detokenizer(tokenizer, mode, skip_special_tokens=skip_special_tokens)
+        full = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        assert _stream(detokenizer, token_ids, rng, full) == full, token_ids
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False], ids=["decode_stream", "prefix_offsets"])
-def test_partial_characters_are_held_back(tokenizer: Tokenizer, use_decode_stream: bool) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_partial_characters_are_held_back(tokenizer: Tokenizer, mode: str) -> None:
     token_ids = tokenizer.encode("a🎉b", add_special_tokens=False).token_ids
     assert len(token_ids) > 3  # the emoji's four bytes span several tokens
-    detokenizer = IncrementalDetokenizer(
-        tokenizer.backend, skip_special_tokens=True, use_decode_stream=use_decode_stream
-    )
+    detokenizer = _detokenizer(tokenizer, mode, skip_special_tokens=True)
     pieces = [detokenizer.add(token_id) for token_id in token_ids]
     assert "\ufffd" not in "".join(pieces)
     assert [piece for piece in pieces if piece] == ["a", "🎉", "b"]
     assert detokenizer.finish() == ""
 
 
-def test_a_sequence_ending_mid_character_flushes_like_a_full_decode(tokenizer: Tokenizer) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sequence_ending_mid_character_flushes_like_a_full_decode(tokenizer: Tokenizer, mode: str) -> None:
     token_ids = tokenizer.encode("ok🎉", add_special_tokens=False).token_ids[:-1]
-    detokenizer = IncrementalDetokenizer(tokenizer.backend, skip_special_tokens=True)
+    detokenizer = _detokenizer(tokenizer, mode, skip_special_tokens=True)
     streamed = "".join(detokenizer.add(token_id) for token_id in token_ids)
     assert streamed == "ok"
     assert streamed + detokenizer.finish() == tokenizer.decode(token_ids)  # ends in U+FFFD, as decode does

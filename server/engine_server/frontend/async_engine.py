@@ -137,7 +137,7 @@ class AsyncEngine:
             raise EngineOverloaded(f"too many pending requests ({self._max_pending}); retry later")
         engine_request = EngineRequest(request_id, request.prompt_token_ids, request.params)
         self._validate(engine_request, self.model_info)
-        state = RequestState(request, self.tokenizer.backend)
+        state = RequestState(request, self.tokenizer.backend, self.tokenizer.byte_tables)
         self._requests[request_id] = state
         self._client.send(AddCommand(engine_request))
         return RequestStream(self, state)

@@ -10,6 +10,7 @@ from collections import deque
 from typing import Any
 
 from engine_server.engine.types import CompletionDelta, FinishReason, TokenLogprob
+from engine_server.frontend.byte_level import ByteLevelTables
 from engine_server.frontend.detokenizer import IncrementalDetokenizer
 from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest, OutputSink
 from engine_server.frontend.stop_strings import StopStringMatcher
@@ -20,10 +21,11 @@ logger = logging.getLogger(__name__)
 class _Completion:
     __slots__ = ("detokenizer", "is_finished", "matcher", "num_tokens")
 
-    def __init__(self, request: GenerateRequest, backend: Any) -> None:
+    def __init__(self, request: GenerateRequest, backend: Any, byte_tables: ByteLevelTables | None) -> None:
         needs_text = request.detokenize or bool(request.stop)
         self.detokenizer = (
-            IncrementalDetokenizer(backend, skip_special_tokens=request.skip_special_tokens)
+            IncrementalDetokenizer(backend, skip_special_tokens=request.skip_special_tokens,
+                                   byte_tables=byte_tables)
             if needs_text
             else None
         )
@@ -59,11 +61,13 @@ class RequestState:
         "waiter",
     )
 
-    def __init__(self, request: GenerateRequest, backend: Any) -> None:
+    def __init__(
+        self, request: GenerateRequest, backend: Any, byte_tables: ByteLevelTables | None = None
+    ) -> None:
         self.request_id = request.request_id
         self._request = request
         n = request.params.n
-        self._completions = [_Completion(request, backend) for _ in range(n)]
+        self._completions = [_Completion(request, backend, byte_tables) for _ in range(n)]
         self._pending: dict[int, CompletionChunk] = {}
         self._has_news = False
         self.num_prompt_tokens = len(request.prompt_token_ids)

@@ -1,0 +1,130 @@
+"""Byte-level BPE detokenization by table lookup: one bytes object per token id, joined and fed to an
+incremental UTF-8 decoder.
+
+A byte-level BPE vocabulary (GPT-2, Llama 3, Qwen, the tiny model's) spells every byte as one printable
+character; its decoder maps each token's characters back to bytes and decodes the whole byte string as
+UTF-8 (invalid sequences become U+FFFD). Done incrementally by `tokenizers.decoders.DecodeStream`, that costs
+~0.9 us per token (a Python -> Rust call and a window re-decode per token); a table lookup and Python's
+incremental UTF-8 decoder release the same text for ~0.1 us. The table is only used for a tokenizer whose
+decoder is exactly `ByteLevel`, and only after it reproduced `decode` on a probe set of sequences (random ids,
+every special token, sequences cut inside characters); otherwise DecodeStream stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from codecs import utf_8_decode as _utf_8_decode
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_PROBE_SEQUENCES = 200
+
+
+def _char_to_byte() -> dict[str, int]:
+    # The byte-level alphabet: printable Latin-1 bytes stand for themselves; the other 68 bytes (controls,
+    # space, 0x7F-0xA0, 0xAD) are shifted to U+0100 onwards, in byte order.
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    mapping = {chr(b): b for b in printable}
+    shifted = (b for b in range(256) if b not in mapping.values())
+    mapping.update({chr(0x100 + i): b for i, b in enumerate(shifted)})
+    return mapping
+
+
+def _token_bytes(token: str, char_to_byte: dict[str, int]) -> bytes:
+    try:
+        return bytes([char_to_byte[char] for char in token])
+    except KeyError:  # a token outside the alphabet (an added token such as "<|im_start|>" with odd chars)
+        return token.encode("utf-8")
+
+
+class ByteLevelTables:
+    """Per tokenizer: the bytes of every token id, with special tokens kept or skipped."""
+
+    __slots__ = ("keep_special", "skip_special")
+
+    def __init__(self, keep_special: list[bytes], skip_special: list[bytes]) -> None:
+        self.keep_special = keep_special
+        self.skip_special = skip_special
+
+    def table(self, *, skip_special_tokens: bool) -> list[bytes]:
+        return self.skip_special if skip_special_tokens else self.keep_special
+
+    @classmethod
+    def build(cls, backend: Any) -> ByteLevelTables | None:
+        """The tables for a `tokenizers.Tokenizer`, or None when its decoder is not plain byte-level BPE or
+        the tables would not reproduce its `decode` exactly."""
+        from tokenizers import decoders
+
+        if type(backend.decoder) is not decoders.ByteLevel:
+            return None
+        char_to_byte = _char_to_byte()
+        size = backend.get_vocab_size(with_added_tokens=True)
+        keep: list[bytes] = []
+        for token_id in range(size):
+            token = backend.id_to_token(token_id)
+            keep.append(b"" if token is None else _token_bytes(token, char_to_byte))
+        skip = list(keep)
+        added_tokens = backend.get_added_tokens_decoder().items()
+        special_ids = [token_id for token_id, added in added_tokens if added.special]
+        for token_id in special_ids:
+            if token_id < size:
+                skip[token_id] = b""
+        tables = cls(keep, skip)
+        if not tables._reproduces_decode(backend, special_ids):
+            logger.warning("byte-level detokenization tables do not reproduce the tokenizer's decode; "
+                           "using tokenizers' DecodeStream")
+            return None
+        return tables
+
+    def _reproduces_decode(self, backend: Any, special_ids: list[int]) -> bool:
+        rng = random.Random(0)
+        size = len(self.keep_special)
+        probes = [special_ids, list(range(min(size, 512)))]
+        probes += [[rng.randrange(size) for _ in range(rng.randint(1, 24))] for _ in range(_PROBE_SEQUENCES)]
+        for ids in probes:
+            for skip in (True, False):
+                decoder = ByteLevelDecoder(self.table(skip_special_tokens=skip))
+                streamed = "".join(decoder.add(token_id) for token_id in ids) + decoder.finish()
+                if streamed != backend.decode(ids, skip_special_tokens=skip):
+                    return False
+        return True
+
+
+class ByteLevelDecoder:
+    """One completion's incremental decoder: text is released once its characters are complete."""
+
+    __slots__ = ("_pending", "_table")
+
+    def __init__(self, table: list[bytes]) -> None:
+        self._table = table
+        self._pending = b""  # the bytes of an incomplete character at the end, held back
+
+    def add(self, token_id: int) -> str:
+        table = self._table
+        return self._decode(table[token_id] if 0 <= token_id < len(table) else b"")
+
+    def add_many(self, token_ids: list[int]) -> str:
+        table = self._table
+        try:
+            data = table[token_ids[0]] if len(token_ids) == 1 else b"".join([table[i] for i in token_ids])
+        except IndexError:  # an id past the tokenizer's vocabulary (a padded model vocabulary): decodes to ""
+            size = len(table)
+            data = b"".join([table[i] if 0 <= i < size else b"" for i in token_ids])
+        return self._decode(data)
+
+    def finish(self) -> str:
+        """What is held back (an incomplete character, as U+FFFD, as a full decode shows it)."""
+        text, _ = _utf_8_decode(self._pending, "replace", True)
+        self._pending = b""
+        return text
+
+    def _decode(self, data: bytes) -> str:
+        # NOTE: codecs' C decoder with final=False, as Python's incremental decoder calls it (its wrapper is
+        # Python code and cost more than the decoding): an incomplete last character is not consumed.
+        if self._pending:
+            data = self._pending + data
+        text, consumed = _utf_8_decode(data, "replace", False)
+        self._pending = data[consumed:] if consumed < len(data) else b""
+        return text
