@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_server.frontend.detokenizer import IncrementalDetokenizer
+from engine_server.frontend.byte_level import ByteLevelDecoder
+from engine_server.frontend.detokenizer import Detokenizer, IncrementalDetokenizer, new_detokenizer
 from engine_server.frontend.tokenizer import Tokenizer
 
 SAMPLES = (
@@ -16,7 +17,7 @@ SAMPLES = (
 )
 
 
-def _stream(detokenizer: IncrementalDetokenizer, token_ids: list[int], rng: random.Random, full: str) -> str:
+def _stream(detokenizer: Detokenizer, token_ids: list[int], rng: random.Random, full: str) -> str:
     """Feeds the ids in random-sized groups (as coalesced engine deltas would arrive), then finishes; every
     piece released must be final (the text so far is a prefix of the full decode)."""
     pieces = []
@@ -45,11 +46,15 @@ def _random_ids(tokenizer: Tokenizer, rng: random.Random) -> list[int]:
 MODES = ["byte_tables", "decode_stream", "prefix_offsets"]
 
 
-def _detokenizer(tokenizer: Tokenizer, mode: str, *, skip_special_tokens: bool) -> IncrementalDetokenizer:
-    assert tokenizer.byte_tables is not None  # the tiny model's tokenizer is byte-level BPE
+def _detokenizer(tokenizer: Tokenizer, mode: str, *, skip_special_tokens: bool) -> Detokenizer:
+    if mode == "byte_tables":
+        assert tokenizer.byte_tables is not None  # the tiny model's tokenizer is byte-level BPE
+        detokenizer = new_detokenizer(tokenizer.backend, skip_special_tokens=skip_special_tokens,
+                                      byte_tables=tokenizer.byte_tables)
+        assert isinstance(detokenizer, ByteLevelDecoder)
+        return detokenizer
     return IncrementalDetokenizer(
-        tokenizer.backend, skip_special_tokens=skip_special_tokens, use_decode_stream=mode == "decode_stream",
-        byte_tables=tokenizer.byte_tables if mode == "byte_tables" else None,
+        tokenizer.backend, skip_special_tokens=skip_special_tokens, use_decode_stream=mode == "decode_stream"
     )
 
 

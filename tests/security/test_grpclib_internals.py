@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 
+import grpclib.protocol
 import grpclib.server
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.stream import recv_message
@@ -62,3 +63,16 @@ def test_h2_goaway_names_the_last_stream_the_client_opened() -> None:
     events = client.receive_data(server.data_to_send())
     (goaway,) = [e for e in events if isinstance(e, ConnectionTerminated)]
     assert goaway.last_stream_id == 3
+
+
+def test_fast_path_internals() -> None:
+    # api/fast_send.py: h2 queues its own frames in _data_to_send (checked before data_to_send() is called);
+    # api/security/limits.py: the stream buffer's _eof says the client half-closed (nothing more to wait for);
+    # api/h2_streams.py: h2 counts open streams through _open_streams(remainder).
+    connection = H2Connection(H2Configuration(client_side=False))
+    connection.initiate_connection()
+    assert connection._data_to_send
+    assert connection.data_to_send()
+    assert not connection._data_to_send
+    assert "self._eof = True" in inspect.getsource(grpclib.protocol.Buffer.eof)
+    assert "_open_streams(inbound_numbers)" in inspect.getsource(H2Connection)

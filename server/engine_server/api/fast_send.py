@@ -28,6 +28,8 @@ from h2.stream import StreamInputs, StreamState
 
 _FRAME = struct.Struct(">BHBBL")  # 24-bit length (as 8 + 16 bits), type, flags, stream id
 _PREFIX = struct.Struct(">BL")  # gRPC: compressed flag, message length
+_DATA_HEADER = struct.Struct(">BHBBLBL")  # a DATA frame's header, then the gRPC prefix
+_MIN_MAX_FRAME_SIZE = 16384  # SETTINGS_MAX_FRAME_SIZE can only be raised from this (RFC 9113 6.5.2)
 _DATA, _HEADERS = 0x0, 0x1
 _END_STREAM, _END_HEADERS = 0x1, 0x4
 
@@ -87,19 +89,17 @@ class FastSender:
         h2_stream = h2.streams.get(proto_stream.id)
         connection = self._connection
         if (h2_stream is None or h2_stream.state_machine.state is not StreamState.HALF_CLOSED_REMOTE
-                or size > h2.max_outbound_frame_size or size > h2_stream.outbound_flow_control_window
+                or (size > _MIN_MAX_FRAME_SIZE and size > h2.max_outbound_frame_size)
+                or size > h2_stream.outbound_flow_control_window
                 or size > h2.outbound_flow_control_window or not connection.write_ready.is_set()
                 or self._transport.is_closing()):
             return False
-        pending = h2.data_to_send()  # NOTE: frames h2 queued must go first, to keep the order
-        if pending:
-            self._transport.write(pending)
+        if h2._data_to_send:  # NOTE: frames h2 queued must go first, to keep the order
+            self._transport.write(h2.data_to_send())
         h2_stream.outbound_flow_control_window -= size
         h2.outbound_flow_control_window -= size
-        self._transport.write(
-            _FRAME.pack(size >> 16, size & 0xFFFF, _DATA, 0, proto_stream.id) + _PREFIX.pack(0, len(payload))
-            + payload
-        )
+        self._transport.write(_DATA_HEADER.pack(size >> 16, size & 0xFFFF, _DATA, 0, proto_stream.id, 0,
+                                                len(payload)) + payload)
         proto_stream.data_sent += size
         connection.data_sent += size
         connection.data_send_process()
@@ -144,9 +144,8 @@ class FastSender:
         if end_stream:
             h2_stream.state_machine.process_input(StreamInputs.SEND_END_STREAM)
             flags |= _END_STREAM
-        pending = h2.data_to_send()
-        if pending:
-            self._transport.write(pending)
+        if h2._data_to_send:
+            self._transport.write(h2.data_to_send())
         size = len(block)
         header = _FRAME.pack(size >> 16, size & 0xFFFF, _HEADERS, flags, proto_stream.id)
         self._transport.write(header + block)

@@ -9,7 +9,7 @@ U+FFFD there) or for decoders whose output is not local.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from engine_server.frontend.byte_level import ByteLevelDecoder, ByteLevelTables
 
@@ -23,23 +23,32 @@ except ImportError:  # pragma: no cover - depends on the installed tokenizers
 _REPLACEMENT = "\ufffd"
 
 
+class Detokenizer(Protocol):
+    """One completion's text: `add`/`add_many` return what became final; `finish` the rest."""
+
+    def add(self, token_id: int) -> str: ...
+    def add_many(self, token_ids: list[int]) -> str: ...
+    def finish(self) -> str: ...
+
+
+def new_detokenizer(
+    backend: Any, *, skip_special_tokens: bool, byte_tables: ByteLevelTables | None
+) -> Detokenizer:
+    """A table lookup for byte-level BPE with verified tables (frontend/byte_level.py); otherwise
+    tokenizers' DecodeStream (or the prefix-offset method where it is missing)."""
+    if byte_tables is not None:
+        return ByteLevelDecoder(byte_tables.table(skip_special_tokens=skip_special_tokens))
+    return IncrementalDetokenizer(backend, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas; one per completion."""
 
-    __slots__ = ("_backend", "_bytes", "_emitted_len", "_ids", "_prefix", "_read", "_skip_special", "_stream")
+    __slots__ = ("_backend", "_emitted_len", "_ids", "_prefix", "_read", "_skip_special", "_stream")
 
-    def __init__(
-        self, backend: Any, *, skip_special_tokens: bool, use_decode_stream: bool = True,
-        byte_tables: ByteLevelTables | None = None,
-    ) -> None:
+    def __init__(self, backend: Any, *, skip_special_tokens: bool, use_decode_stream: bool = True) -> None:
         self._backend = backend  # a tokenizers.Tokenizer
         self._skip_special = skip_special_tokens
-        # Byte-level BPE with verified tables (frontend/byte_level.py): a table lookup per token.
-        self._bytes = (
-            ByteLevelDecoder(byte_tables.table(skip_special_tokens=skip_special_tokens))
-            if byte_tables is not None
-            else None
-        )
         self._ids: list[int] = []
         self._emitted_len = 0  # characters released so far
         self._stream: Any = (
@@ -52,8 +61,6 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Feed one token; returns the text that became final ("" if none yet)."""
-        if self._bytes is not None:
-            return self._bytes.add(token_id)
         self._ids.append(token_id)
         if self._stream is not None:
             piece: str | None = self._stream.step(self._backend, token_id)
@@ -65,16 +72,12 @@ class IncrementalDetokenizer:
         return piece
 
     def add_many(self, token_ids: list[int]) -> str:
-        if self._bytes is not None:
-            return self._bytes.add_many(token_ids)
         if len(token_ids) == 1:
             return self.add(token_ids[0])
         return "".join([self.add(token_id) for token_id in token_ids])
 
     def finish(self) -> str:
         """The rest of the text once no token will follow (held-back partial characters, as U+FFFD)."""
-        if self._bytes is not None:
-            return self._bytes.finish()
         full: str = self._backend.decode(self._ids, skip_special_tokens=self._skip_special)
         if len(full) < self._emitted_len:  # pragma: no cover - a decoder that is not prefix-stable
             logger.warning("incremental detokenization overshot the full decode; dropping the difference")

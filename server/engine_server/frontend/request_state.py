@@ -11,7 +11,7 @@ from typing import Any
 
 from engine_server.engine.types import CompletionDelta, FinishReason, TokenLogprob
 from engine_server.frontend.byte_level import ByteLevelTables
-from engine_server.frontend.detokenizer import IncrementalDetokenizer
+from engine_server.frontend.detokenizer import new_detokenizer
 from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest, OutputSink
 from engine_server.frontend.stop_strings import StopStringMatcher
 
@@ -24,8 +24,7 @@ class _Completion:
     def __init__(self, request: GenerateRequest, backend: Any, byte_tables: ByteLevelTables | None) -> None:
         needs_text = request.detokenize or bool(request.stop)
         self.detokenizer = (
-            IncrementalDetokenizer(backend, skip_special_tokens=request.skip_special_tokens,
-                                   byte_tables=byte_tables)
+            new_detokenizer(backend, skip_special_tokens=request.skip_special_tokens, byte_tables=byte_tables)
             if needs_text
             else None
         )
@@ -93,17 +92,21 @@ class RequestState:
             return False
         if not token_ids:
             return False
-        if completion.detokenizer is None:  # token ids only, no stop strings: nothing to look at
-            completion.num_tokens += len(token_ids)
-            chunk = self._pending.get(0)
-            if chunk is None:
-                self._pending[0] = CompletionChunk(0, token_ids, "", None, None, None, completion.num_tokens)
-            else:
-                chunk.token_ids.extend(token_ids)
-                chunk.num_completion_tokens = completion.num_tokens
-            self._has_news = True
-            return False
-        return self._apply(0, completion, token_ids, None, None, None)
+        if completion.matcher is not None:  # stop strings: token by token
+            return self._apply(0, completion, token_ids, None, None, None)
+        # NOTE: without stop strings there is a detokenizer exactly when text was asked for.
+        detokenizer = completion.detokenizer
+        text = detokenizer.add_many(token_ids) if detokenizer is not None else ""
+        completion.num_tokens += len(token_ids)
+        chunk = self._pending.get(0)
+        if chunk is None:
+            self._pending[0] = CompletionChunk(0, token_ids, text, None, None, None, completion.num_tokens)
+        else:
+            chunk.token_ids.extend(token_ids)
+            chunk.text += text
+            chunk.num_completion_tokens = completion.num_tokens
+        self._has_news = True
+        return False
 
     def process(self, delta: CompletionDelta) -> bool:
         """Apply one engine delta. Call `wake()` once after the whole step has been processed.
