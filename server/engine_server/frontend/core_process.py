@@ -145,10 +145,10 @@ class CoreClient:
             return
         data = pickle.dumps(commands, protocol=pickle.HIGHEST_PROTOCOL)
         if len(data) > 0x7FFFFFFF:
-            self._writer.write(_HEADER.pack(-1) + _LONG_HEADER.pack(len(data)))
+            header = _HEADER.pack(-1) + _LONG_HEADER.pack(len(data))
         else:
-            self._writer.write(_HEADER.pack(len(data)))
-        self._writer.write(data)
+            header = _HEADER.pack(len(data))
+        self._writer.write(header + data)  # NOTE: one write is one send(); this runs on every loop tick
 
     # --- receiving ----------------------------------------------------------------------------------
 

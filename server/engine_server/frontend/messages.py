@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 class AddCommand:
     request: EngineRequest
 
+    def __reduce__(self) -> tuple[type[AddCommand], tuple[EngineRequest]]:
+        return AddCommand, (self.request,)  # (one per request: cheaper than dataclasses' __getstate__)
+
 
 @dataclass(frozen=True, slots=True)
 class AbortCommand:
