@@ -49,6 +49,24 @@ def test_explicit_zeros_are_kept() -> None:
     assert converted.request_id == "r1"
 
 
+def test_every_knob_reaches_the_engine_under_its_name() -> None:
+    request = generate_pb2.GenerateRequest(text="ab")
+    s = request.sampling
+    s.n, s.temperature, s.top_p, s.top_k, s.min_p = 3, 0.5, 0.75, 7, 0.125
+    s.repetition_penalty, s.presence_penalty, s.frequency_penalty, s.seed = 1.25, 0.5, -0.5, 2**40
+    request.stopping.max_tokens, request.stopping.min_tokens, request.stopping.ignore_eos = 9, 2, True
+    request.output.logprobs, request.output.prompt_logprobs = 4, 1
+    params = _convert(request).params
+    assert (params.n, params.temperature, params.top_p) == (3, 0.5, 0.75)
+    assert (params.top_k, params.min_p) == (7, 0.125)
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.25, 0.5, -0.5)
+    assert (params.seed, params.max_tokens, params.min_tokens, params.ignore_eos) == (2**40, 9, 2, True)
+    assert (params.logprobs, params.prompt_logprobs) == (4, 1)
+    # Every field of the request's sampling message is one the conversion knows.
+    fields = {f.name for f in generate_pb2.SamplingParams.DESCRIPTOR.fields}
+    assert fields == {*convert._SAMPLING_FIELDS, "logit_bias"}
+
+
 def test_chat_adds_the_generation_prompt_by_default() -> None:
     request = generate_pb2.GenerateRequest()
     request.chat.messages.add(role="user", content="hi")
