@@ -5,9 +5,9 @@ A byte-level BPE vocabulary (GPT-2, Llama 3, Qwen, the tiny model's) spells ever
 character; its decoder maps each token's characters back to bytes and decodes the whole byte string as
 UTF-8 (invalid sequences become U+FFFD). Done incrementally by `tokenizers.decoders.DecodeStream`, that costs
 ~0.9 us per token (a Python -> Rust call and a window re-decode per token); a table lookup and Python's
-incremental UTF-8 decoder release the same text for ~0.1 us. The table is only used for a tokenizer whose
-decoder is exactly `ByteLevel`, and only after it reproduced `decode` on a probe set of sequences (random ids,
-every special token, sequences cut inside characters); otherwise DecodeStream stays.
+incremental UTF-8 decoder release the same text for ~0.3 us here. The table is only used for a tokenizer whose
+decoder is exactly `ByteLevel`, and only after it reproduced `decode` on a probe set of sequences (every added
+token, random ids, sequences cut inside characters); otherwise DecodeStream stays.
 """
 
 from __future__ import annotations
@@ -66,22 +66,25 @@ class ByteLevelTables:
             token = backend.id_to_token(token_id)
             keep.append(b"" if token is None else _token_bytes(token, char_to_byte))
         skip = list(keep)
-        added_tokens = backend.get_added_tokens_decoder().items()
-        special_ids = [token_id for token_id, added in added_tokens if added.special]
+        added_tokens = backend.get_added_tokens_decoder()
+        special_ids = [token_id for token_id, added in added_tokens.items() if added.special]
         for token_id in special_ids:
             if token_id < size:
                 skip[token_id] = b""
         tables = cls(keep, skip)
-        if not tables._reproduces_decode(backend, special_ids):
+        if not tables._reproduces_decode(backend, sorted(added_tokens)):
             logger.warning("byte-level detokenization tables do not reproduce the tokenizer's decode; "
                            "using tokenizers' DecodeStream")
             return None
         return tables
 
-    def _reproduces_decode(self, backend: Any, special_ids: list[int]) -> bool:
+    def _reproduces_decode(self, backend: Any, added_ids: list[int]) -> bool:
         rng = random.Random(0)
         size = len(self.keep_special)
-        probes = [special_ids, list(range(min(size, 512)))]
+        # Every added token (special or not: their text may sit outside the byte alphabet), the first ids,
+        # then random sequences, which cut multi-byte characters anywhere.
+        probes = [added_ids, list(range(min(size, 512)))]
+        probes += [[token_id, rng.randrange(size)] for token_id in added_ids]
         probes += [[rng.randrange(size) for _ in range(rng.randint(1, 24))] for _ in range(_PROBE_SEQUENCES)]
         for ids in probes:
             for skip in (True, False):
