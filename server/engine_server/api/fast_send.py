@@ -79,10 +79,15 @@ class FastSender:
     def try_send(self, message: Any) -> bool:
         """Writes the message now if the fast path applies (no await); False: nothing was written, send it
         with `send` (or grpclib's `send_message`) instead."""
+        if not self._ok or not self._stream._send_initial_metadata_done:
+            return False
+        return self.try_send_serialized(message.SerializeToString())
+
+    def try_send_serialized(self, payload: bytes) -> bool:
+        """`try_send` for a message already serialized."""
         stream = self._stream
         if not self._ok or not stream._send_initial_metadata_done:
             return False
-        payload = message.SerializeToString()
         size = len(payload) + _PREFIX.size
         h2 = self._h2
         proto_stream = self._proto_stream

@@ -170,12 +170,18 @@ class EngineServicer(EngineServiceBase):
         timer = metrics.request_timer() if metrics is not None else None
         num_completion_tokens = [0] * request.params.n
         sender = FastSender(stream)
+        plain = responses.PlainResponses(request.request_id)
         is_sending = False  # this task is writing a message itself: push must not overtake it
 
         def push(output: GenerateOutput) -> bool:
             if is_sending or output.error is not None:
                 return False
-            if not sender.try_send(responses.streaming_response(output, num_completion_tokens)):
+            payload = plain.serialize(output)
+            if payload is not None:
+                if not sender.try_send_serialized(payload):
+                    return False
+                num_completion_tokens[0] = output.chunks[0].num_completion_tokens
+            elif not sender.try_send(responses.streaming_response(output, num_completion_tokens)):
                 return False  # NOTE: rebuilding the message later gives the same bytes and counts
             if timer is not None:
                 timer.on_output(sum(len(chunk.token_ids) for chunk in output.chunks))
