@@ -25,8 +25,11 @@ def test_plain_outputs_serialize_like_a_fresh_message_however_often_reused() -> 
                 _chunk([9, 9, 9], "")]
     for chunk in sequence:
         output = _output(chunk)
-        expected = responses.streaming_response(output, [0]).SerializeToString()
-        assert plain.serialize(output) == expected
+        expected_counts = [0]
+        expected = responses.streaming_response(output, expected_counts).SerializeToString()
+        counts = [0]
+        assert plain.serialize(output, counts) == expected
+        assert counts == expected_counts
 
 
 def test_every_other_output_is_declined() -> None:
@@ -40,4 +43,6 @@ def test_every_other_output_is_declined() -> None:
         GenerateOutput("req-7", [_chunk([1])], 12, 0, [None, TokenLogprob(4, -1.0, 2)], False),
     ]
     for output in declined:
-        assert plain.serialize(output) is None
+        counts = [0, 0]
+        assert plain.serialize(output, counts) is None
+        assert counts == [0, 0]

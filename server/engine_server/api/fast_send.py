@@ -90,21 +90,16 @@ class FastSender:
             return False
         size = len(payload) + _PREFIX.size
         h2 = self._h2
-        proto_stream = self._proto_stream
-        h2_stream = h2.streams.get(proto_stream.id)
-        connection = self._connection
-        if (h2_stream is None or h2_stream.state_machine.state is not StreamState.HALF_CLOSED_REMOTE
-                or (size > _MIN_MAX_FRAME_SIZE and size > h2.max_outbound_frame_size)
-                or size > h2_stream.outbound_flow_control_window
-                or size > h2.outbound_flow_control_window or not connection.write_ready.is_set()
-                or self._transport.is_closing()):
+        h2_stream = self._writable_h2_stream()
+        if (h2_stream is None or (size > _MIN_MAX_FRAME_SIZE and size > h2.max_outbound_frame_size)
+                or size > h2_stream.outbound_flow_control_window or size > h2.outbound_flow_control_window):
             return False
-        if h2._data_to_send:  # NOTE: frames h2 queued must go first, to keep the order
-            self._transport.write(h2.data_to_send())
         h2_stream.outbound_flow_control_window -= size
         h2.outbound_flow_control_window -= size
-        self._transport.write(_DATA_HEADER.pack(size >> 16, size & 0xFFFF, _DATA, 0, proto_stream.id, 0,
-                                                len(payload)) + payload)
+        proto_stream = self._proto_stream
+        self._write(_DATA_HEADER.pack(size >> 16, size & 0xFFFF, _DATA, 0, proto_stream.id, 0, len(payload))
+                    + payload)
+        connection = self._connection
         proto_stream.data_sent += size
         connection.data_sent += size
         connection.data_send_process()
@@ -135,13 +130,10 @@ class FastSender:
 
     def _try_send_headers(self, block: bytes, *, end_stream: bool) -> bool:
         h2 = self._h2
-        proto_stream = self._proto_stream
-        h2_stream = h2.streams.get(proto_stream.id)
-        if (h2_stream is None or h2_stream.state_machine.state is not StreamState.HALF_CLOSED_REMOTE
-                or h2.state_machine.state is not ConnectionState.SERVER_OPEN
+        h2_stream = self._writable_h2_stream()
+        if (h2_stream is None or h2.state_machine.state is not ConnectionState.SERVER_OPEN
                 or h2.encoder.header_table.resized  # a pending table-size update must lead the next block
-                or len(block) > h2.max_outbound_frame_size or not self._connection.write_ready.is_set()
-                or self._transport.is_closing()):
+                or len(block) > h2.max_outbound_frame_size):
             return False
         h2.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
         h2_stream.state_machine.process_input(StreamInputs.SEND_HEADERS)
@@ -149,10 +141,21 @@ class FastSender:
         if end_stream:
             h2_stream.state_machine.process_input(StreamInputs.SEND_END_STREAM)
             flags |= _END_STREAM
-        if h2._data_to_send:
-            self._transport.write(h2.data_to_send())
         size = len(block)
-        header = _FRAME.pack(size >> 16, size & 0xFFFF, _HEADERS, flags, proto_stream.id)
-        self._transport.write(header + block)
+        self._write(_FRAME.pack(size >> 16, size & 0xFFFF, _HEADERS, flags, self._proto_stream.id) + block)
         self._connection.headers_send_process()
         return True
+
+    def _writable_h2_stream(self) -> Any:
+        """h2's stream if a frame may be written on it now (open towards the client, writes not paused)."""
+        h2_stream = self._h2.streams.get(self._proto_stream.id)
+        if (h2_stream is None or h2_stream.state_machine.state is not StreamState.HALF_CLOSED_REMOTE
+                or not self._connection.write_ready.is_set() or self._transport.is_closing()):
+            return None
+        return h2_stream
+
+    def _write(self, frame: bytes) -> None:
+        h2 = self._h2
+        if h2._data_to_send:  # NOTE: frames h2 queued must go first, to keep the order
+            self._transport.write(h2.data_to_send())
+        self._transport.write(frame)

@@ -87,8 +87,9 @@ class PlainResponses:
         self._message = generate_pb2.GenerateResponse(request_id=request_id)
         self._completion = self._message.completions.add()
 
-    def serialize(self, output: GenerateOutput) -> bytes | None:
-        """The same bytes as `streaming_response(output, ...)` for a plain output; None for any other."""
+    def serialize(self, output: GenerateOutput, num_completion_tokens: list[int]) -> bytes | None:
+        """`streaming_response(output, num_completion_tokens)`'s bytes (and count update) for a plain output;
+        None (nothing updated) for any other."""
         chunks = output.chunks
         if len(chunks) != 1 or output.finished or output.prompt_logprobs:
             return None
@@ -99,6 +100,7 @@ class PlainResponses:
         del completion.token_ids[:]
         completion.token_ids.extend(chunk.token_ids)
         completion.text = chunk.text
+        num_completion_tokens[0] = chunk.num_completion_tokens
         payload: bytes = self._message.SerializeToString()
         return payload
 

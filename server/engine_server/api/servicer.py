@@ -176,12 +176,10 @@ class EngineServicer(EngineServiceBase):
         def push(output: GenerateOutput) -> bool:
             if is_sending or output.error is not None:
                 return False
-            payload = plain.serialize(output)
-            if payload is not None:
-                if not sender.try_send_serialized(payload):
-                    return False
-                num_completion_tokens[0] = output.chunks[0].num_completion_tokens
-            elif not sender.try_send(responses.streaming_response(output, num_completion_tokens)):
+            payload = plain.serialize(output, num_completion_tokens)
+            sent = (sender.try_send_serialized(payload) if payload is not None
+                    else sender.try_send(responses.streaming_response(output, num_completion_tokens)))
+            if not sent:
                 return False  # NOTE: rebuilding the message later gives the same bytes and counts
             if timer is not None:
                 timer.on_output(sum(len(chunk.token_ids) for chunk in output.chunks))

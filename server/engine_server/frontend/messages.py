@@ -159,10 +159,6 @@ class StepOutput:
                 others.append(delta)
         return cls(request_ids, token_ids, others, stats, rejected)
 
-    @property
-    def num_deltas(self) -> int:
-        return len(self.token_request_ids) + len(self.deltas)
-
 
 @dataclass(frozen=True, slots=True)
 class CallReply:

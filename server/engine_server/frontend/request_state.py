@@ -88,9 +88,7 @@ class RequestState:
         """New tokens of completion 0 and nothing else (StepOutput's columns); as `process`."""
         self.has_output = True
         completion = self._completions[0]
-        if completion.is_finished:
-            return False
-        if not token_ids:
+        if completion.is_finished or not token_ids:
             return False
         if completion.matcher is not None:  # stop strings: token by token
             return self._apply(0, completion, token_ids, None, None, None)
@@ -98,14 +96,7 @@ class RequestState:
         detokenizer = completion.detokenizer
         text = detokenizer.add_many(token_ids) if detokenizer is not None else ""
         completion.num_tokens += len(token_ids)
-        chunk = self._pending.get(0)
-        if chunk is None:
-            self._pending[0] = CompletionChunk(0, token_ids, text, None, None, None, completion.num_tokens)
-        else:
-            chunk.token_ids.extend(token_ids)
-            chunk.text += text
-            chunk.num_completion_tokens = completion.num_tokens
-        self._has_news = True
+        self._add_chunk(0, token_ids, text, None, None, None)
         return False
 
     def process(self, delta: CompletionDelta) -> bool:
