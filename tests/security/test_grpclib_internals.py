@@ -7,12 +7,14 @@ import inspect
 
 import grpclib.protocol
 import grpclib.server
+import hpack
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.stream import recv_message
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.events import ConnectionTerminated
 from h2.settings import SettingCodes, Settings
+from h2.stream import H2Stream
 
 
 def test_hooks_exist() -> None:
@@ -68,7 +70,9 @@ def test_h2_goaway_names_the_last_stream_the_client_opened() -> None:
 def test_fast_path_internals() -> None:
     # api/fast_send.py: h2 queues its own frames in _data_to_send (checked before data_to_send() is called);
     # api/security/limits.py: the stream buffer's _eof says the client half-closed (nothing more to wait for);
-    # api/h2_streams.py: h2 counts open streams through _open_streams(remainder).
+    # api/h2_streams.py: h2 counts open streams through _open_streams(remainder), creates streams in
+    # _begin_new_stream, runs received headers through the stream's _process_received_headers, and HPACK's
+    # decoder changes its table only through HeaderTable.add and the maxsize setter.
     connection = H2Connection(H2Configuration(client_side=False))
     connection.initiate_connection()
     assert connection._data_to_send
@@ -76,3 +80,8 @@ def test_fast_path_internals() -> None:
     assert not connection._data_to_send
     assert "self._eof = True" in inspect.getsource(grpclib.protocol.Buffer.eof)
     assert "_open_streams(inbound_numbers)" in inspect.getsource(H2Connection)
+    assert "self._begin_new_stream(" in inspect.getsource(H2Connection._get_or_create_stream)
+    assert "self._process_received_headers(" in inspect.getsource(H2Stream.receive_headers)
+    decoder_source = inspect.getsource(hpack.Decoder)
+    assert "self.header_table.add(" in decoder_source
+    assert "dynamic_entries" not in decoder_source

@@ -4,12 +4,15 @@ same refusal at the limit) and still drops closed streams from the table."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
-from engine_server.api.h2_streams import LazyCountingH2Connection, use_lazy_counting
+import pytest
+from engine_server.api.h2_streams import CachingDecoder, LazyCountingH2Connection, use_lazy_counting
 from h2.config import H2Configuration
 from h2.connection import H2Connection
-from h2.exceptions import TooManyStreamsError
+from h2.exceptions import ProtocolError, TooManyStreamsError
 from h2.settings import SettingCodes
+from hpack import Decoder, Encoder, NeverIndexedHeaderTuple, OversizedHeaderListError
 
 LIMIT = 20
 REQUEST = [(":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authority", "a")]
@@ -93,3 +96,110 @@ def test_only_plain_connections_are_switched() -> None:
     connection = H2Connection(H2Configuration(client_side=False))
     use_lazy_counting(connection)
     assert type(connection) is LazyCountingH2Connection
+
+
+# --- remembered header blocks -------------------------------------------------------------------------
+
+
+def _header_sets(seed: int, count: int) -> list[list[Any]]:
+    """Mostly the same request headers (as a gRPC client sends them), sometimes a new value (an insertion
+    into the dynamic table), or one header never indexed (sensitive) in some lists and indexed in others."""
+    rng = random.Random(seed)
+    sets = []
+    for i in range(count):
+        headers: list[Any] = [*REQUEST, ("content-type", "application/grpc"), ("te", "trailers")]
+        roll = rng.random()
+        if roll < 0.2:
+            headers.append(("grpc-timeout", f"{rng.randrange(1, 50)}m"))
+        elif roll < 0.3:
+            headers.append(("x-request", str(i)))
+        elif roll < 0.4:  # NOTE: never indexed first: once indexed, hpack's encoder sends it indexed anyway
+            headers.append(NeverIndexedHeaderTuple(b"x-key", b"k") if i < count // 2 else ("x-key", "k"))
+        sets.append(headers)
+    return sets
+
+
+def test_caching_decoder_decodes_as_hpack_does_and_reuses_repeated_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    encoder, plain, caching = Encoder(), Decoder(), CachingDecoder()
+    decoded_by_hpack = [0]
+    hpack_decode = Decoder.decode
+
+    def counting_decode(self: Decoder, data: bytes, raw: bool = False) -> object:
+        decoded_by_hpack[0] += self is caching
+        return hpack_decode(self, data, raw)
+
+    monkeypatch.setattr(Decoder, "decode", counting_decode)
+    for number, headers in enumerate(_header_sets(3, 400)):
+        if number == 150:
+            encoder.header_table_size = 256  # a size update leads the next block: the table shrinks
+            plain.header_table_size = caching.header_table_size = 256
+        block_headers: list[Any] = list(headers)
+        if number % 17 == 0:
+            block_headers.append(NeverIndexedHeaderTuple("authorization", "secret"))
+        block = encoder.encode(block_headers)
+        expected = list(plain.decode(block, raw=True))
+        got = caching.decode(block, raw=True)
+        assert got == expected
+        assert [type(h) for h in got] == [type(h) for h in expected]
+        assert list(plain.header_table.dynamic_entries) == list(caching.header_table.dynamic_entries)
+    assert decoded_by_hpack[0] < 330  # of 400 (~280): the repeated blocks were answered from the cache
+
+
+def test_caching_decoder_applies_a_lowered_header_list_limit_to_a_kept_block() -> None:
+    encoder, caching = Encoder(), CachingDecoder()
+    headers = [("a", "x" * 100)]
+    caching.decode(encoder.encode(headers))  # inserted into the table: this block is not kept
+    block = encoder.encode(headers)  # now indexed: kept
+    caching.decode(block)
+    caching.decode(block)
+    caching.max_header_list_size = 50
+    with pytest.raises(OversizedHeaderListError):
+        caching.decode(block)
+
+
+def _serve(header_sets: list[list[Any]], *, lean: bool, validate: bool) -> list[object]:
+    client = H2Connection(H2Configuration(  # sends what it is given, even an illegal header
+        client_side=True, header_encoding="ascii", validate_outbound_headers=False,
+        normalize_outbound_headers=False))
+    server = H2Connection(H2Configuration(
+        client_side=False, header_encoding="ascii", validate_inbound_headers=validate,
+        normalize_inbound_headers=validate))
+    if lean:
+        use_lazy_counting(server)
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    log: list[object] = []
+    for headers in header_sets:
+        stream_id = client.get_next_available_stream_id()
+        client.send_headers(stream_id, headers, end_stream=True)
+        try:
+            events = server.receive_data(client.data_to_send())
+        except ProtocolError as exc:
+            log.append(repr(exc))
+            break
+        for event in events:
+            found = getattr(event, "headers", None)
+            log.append((type(event).__name__, found, [type(h) for h in found or ()]))
+            if found is not None:
+                server.send_headers(getattr(event, "stream_id"), RESPONSE, end_stream=True)  # noqa: B009
+        reply = server.data_to_send()
+        log.append(reply)
+        client.receive_data(reply)
+    return log
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_remembered_header_processing_gives_h2s_events(validate: bool) -> None:
+    sets = _header_sets(5, 300)
+    assert _serve(sets, lean=True, validate=validate) == _serve(sets, lean=False, validate=validate)
+
+
+def test_an_invalid_header_list_is_refused_as_h2_refuses_it() -> None:
+    bad = [*REQUEST, ("connection", "keep-alive")]  # a connection-specific header: illegal in HTTP/2
+    log = _serve([REQUEST, REQUEST, bad], lean=True, validate=True)
+    assert "ProtocolError" in str(log[-1])
+    assert log == _serve([REQUEST, REQUEST, bad], lean=False, validate=True)
