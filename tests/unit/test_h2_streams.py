@@ -13,6 +13,7 @@ from h2.connection import H2Connection
 from h2.exceptions import ProtocolError, TooManyStreamsError
 from h2.settings import SettingCodes
 from hpack import Decoder, Encoder, NeverIndexedHeaderTuple, OversizedHeaderListError
+from hyperframe.frame import Frame
 
 LIMIT = 20
 REQUEST = [(":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authority", "a")]
@@ -203,3 +204,26 @@ def test_an_invalid_header_list_is_refused_as_h2_refuses_it() -> None:
     log = _serve([REQUEST, REQUEST, bad], lean=True, validate=True)
     assert "ProtocolError" in str(log[-1])
     assert log == _serve([REQUEST, REQUEST, bad], lean=False, validate=True)
+
+
+def test_received_frames_skip_the_long_repr_only_without_a_logger() -> None:
+    import logging
+
+    from h2.frame_buffer import FrameBuffer
+
+    quiet = H2Connection(H2Configuration(client_side=False))
+    use_lazy_counting(quiet)
+    assert type(quiet.incoming_buffer) is not FrameBuffer
+    logger: Any = logging.getLogger("h2-trace")
+    traced = H2Connection(H2Configuration(client_side=False, logger=logger))
+    use_lazy_counting(traced)
+    assert type(traced.incoming_buffer) is FrameBuffer  # a real logger still gets h2's full frame reprs
+    client = H2Connection(H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(1, REQUEST, end_stream=True)
+    data = client.data_to_send()
+    quiet.incoming_buffer.max_frame_size = 16384  # (receive_data sets it before reading)
+    quiet.incoming_buffer.add_data(data)
+    frames = list(quiet.incoming_buffer)
+    assert [repr(frame) for frame in frames] == ["SettingsFrame(stream_id=0)", "HeadersFrame(stream_id=1)"]
+    assert all(isinstance(frame, Frame) for frame in frames)

@@ -16,16 +16,24 @@ call (HEADERS + DATA) here. Both steps are functions of their inputs, so their r
 - a processed header list, for an equal list (same header classes: never-indexed ones keep their class)
   under the same validation flags, encoding and configuration.
 What fails to decode or validate is never kept: it raises as it did, every time.
+
+Received frames: h2 formats `repr(frame)` (flags, body) for a trace log on every frame it receives, even when
+the log goes nowhere (its default logger): ~3 us per frame here. A connection with that default logger gets
+frames whose repr is only their type and stream id (the frame buffer hands out subclasses that differ in
+nothing else; h2's dispatch table learns them).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from h2.config import DummyLogger
 from h2.connection import AllowedStreamIDs, H2Connection
+from h2.frame_buffer import FrameBuffer
 from h2.stream import H2Stream
 from hpack import Decoder, HeaderTuple
 from hpack.table import HeaderTable
+from hyperframe.frame import Frame
 
 _MIN_SCAN_SIZE = 64
 _MAX_KEPT = 64  # entries per cache (per connection): cleared when full
@@ -41,7 +49,7 @@ class _CountingHeaderTable(HeaderTable):
         self.version += 1
         super().add(name, value)
 
-    @property  # type: ignore[override]
+    @property
     def maxsize(self) -> int:
         return self._maxsize
 
@@ -60,7 +68,7 @@ class CachingDecoder(Decoder):
         self._kept: dict[tuple[bytes, bool, int, int], tuple[HeaderTuple, ...]] = {}
         self._kept_version = 0
 
-    def decode(self, data: bytes, raw: bool = False) -> list[HeaderTuple]:  # type: ignore[override]
+    def decode(self, data: bytes, raw: bool = False) -> list[HeaderTuple]:
         table = self.header_table
         kept = self._kept
         if table.version != self._kept_version:
@@ -111,6 +119,30 @@ class _RememberingH2Stream(H2Stream):
         return self._processed.process(self, headers, header_validation_flags, header_encoding)
 
 
+def _quiet_repr(frame: Frame) -> str:
+    return f"{type(frame).__bases__[0].__name__}(stream_id={frame.stream_id})"
+
+
+_QUIET_FRAMES: dict[type[Frame], type[Frame]] = {}  # a frame class -> its subclass with the short repr
+
+
+def _quiet_class(frame_class: type[Frame]) -> type[Frame]:
+    quiet = _QUIET_FRAMES.get(frame_class)
+    if quiet is None:
+        quiet = type(frame_class.__name__, (frame_class,), {"__repr__": _quiet_repr, "__slots__": ()})
+        _QUIET_FRAMES[frame_class] = quiet
+    return quiet
+
+
+class _QuietFrameBuffer(FrameBuffer):
+    def __next__(self) -> Frame:
+        frame = super().__next__()
+        quiet = _QUIET_FRAMES.get(type(frame))
+        if quiet is not None:
+            frame.__class__ = quiet
+        return frame
+
+
 class LazyCountingH2Connection(H2Connection):
     """An H2Connection whose `_open_streams` walks the table only when the answer could matter, and whose
     streams reuse processed header lists (see the module's docstring)."""
@@ -153,3 +185,8 @@ def use_lazy_counting(connection: H2Connection) -> None:
         caching.header_table.maxsize = decoder.header_table.maxsize
         connection.decoder = caching
     connection._processed = _ProcessedHeaders()  # type: ignore[attr-defined]
+    if type(connection.config.logger) is DummyLogger and type(connection.incoming_buffer) is FrameBuffer:
+        dispatch = connection._frame_dispatch_table
+        for frame_class in list(dispatch):
+            dispatch[_quiet_class(frame_class)] = dispatch[frame_class]
+        connection.incoming_buffer.__class__ = _QuietFrameBuffer
