@@ -96,10 +96,13 @@ async def test_sigterm_drains_then_exits_zero() -> None:
             short = greedy_request(text="short one", max_tokens=20, ignore_eos=True)
             long = greedy_request(text="long one", max_tokens=2000, ignore_eos=True)
             calls = [stub.Generate.open(timeout=120.0) for _ in range(2)]
+            results: list[list[generate_pb2.GenerateResponse]] = []
             for call, request in zip(calls, (short, long), strict=True):
                 await call.__aenter__()
                 await call.send_message(request, end=True)
-                assert await call.recv_message() is not None  # admitted and streaming
+                first = await call.recv_message()
+                assert first is not None  # admitted and streaming
+                results.append([first])
 
             running.send_signal(signal.SIGTERM)
             # The signal is handled asynchronously: wait (bounded) for health to flip.
@@ -116,14 +119,13 @@ async def test_sigterm_drains_then_exits_zero() -> None:
                 await stub.Generate(greedy_request(text="too late", max_tokens=2), timeout=CALL_TIMEOUT_S)
             assert refused.value.status == Status.UNAVAILABLE
 
-            results: list[list[generate_pb2.GenerateResponse]] = []
-            for call in calls:
-                results.append([message async for message in call])  # status OK, else GRPCError
+            for call, received in zip(calls, results, strict=True):
+                received.extend([message async for message in call])  # status OK, else GRPCError
                 await call.__aexit__(None, None, None)
         finally:
             channel.close()
         assert finish_reasons(results[0]) == {0: generate_pb2.FINISH_REASON_LENGTH}
-        assert len(completion_ids(results[0])) == 20 - 1  # the first message was read above
+        assert len(completion_ids(results[0])) == 20
         # The long stream was still running at the drain timeout: aborted, and the stream ended cleanly.
         assert finish_reasons(results[1]) in (
             {0: generate_pb2.FINISH_REASON_ABORT},

@@ -105,31 +105,7 @@ class ServerMetrics:
 
     def install(self, server: Server) -> None:
         """Count every call by method and final status."""
-        requests = self.requests
-
-        async def on_request(event: RecvRequest) -> None:
-            method_func = event.method_func
-            rpc = event.method_name.rsplit("/", 1)[-1]
-
-            async def counted(stream: Any) -> None:
-                code = Status.OK
-                try:
-                    await method_func(stream)
-                except GRPCError as exc:
-                    code = exc.status
-                    raise
-                except asyncio.CancelledError:
-                    code = Status.CANCELLED
-                    raise
-                except Exception:
-                    code = Status.UNKNOWN
-                    raise
-                finally:
-                    requests.labels(rpc, code.name).inc()
-
-            event.method_func = counted
-
-        listen(server, RecvRequest, on_request)
+        listen(server, RecvRequest, _CallCounter(self.requests))
 
     def serve(self, *, host: str, port: int) -> int:
         """Start the HTTP exporter on a daemon thread; returns the bound port."""
@@ -146,3 +122,38 @@ class ServerMetrics:
         if self._server is not None:
             self._server.shutdown()
             self._server = None
+
+
+class _CallCounter:
+    """The RecvRequest listener counting calls by RPC and final status."""
+
+    def __init__(self, requests: Counter) -> None:
+        self._requests = requests
+
+    async def __call__(self, event: RecvRequest) -> None:
+        event.method_func = self.wrap_method(
+            event.method_func, method_name=event.method_name, metadata=event.metadata, peer=event.peer
+        )
+
+    def wrap_method(self, method_func: Any, *, method_name: str, metadata: Any, peer: Any) -> Any:
+        """What the listener does to a call (also applied directly by api/fast_path.py)."""
+        requests = self._requests
+        rpc = method_name.rsplit("/", 1)[-1]
+
+        async def counted(stream: Any) -> None:
+            code = Status.OK
+            try:
+                await method_func(stream)
+            except GRPCError as exc:
+                code = exc.status
+                raise
+            except asyncio.CancelledError:
+                code = Status.CANCELLED
+                raise
+            except Exception:
+                code = Status.UNKNOWN
+                raise
+            finally:
+                requests.labels(rpc, code.name).inc()
+
+        return counted

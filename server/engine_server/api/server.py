@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from engine_proto.engine.v1 import info_pb2
 from grpclib.reflection.service import ServerReflection
 
+from engine_server.api.fast_path import FastPathHandler
 from engine_server.api.health import build_health
 from engine_server.api.in_flight import InFlight
 from engine_server.api.metrics import ServerMetrics
@@ -31,6 +33,7 @@ from engine_server.api.security import build_server
 from engine_server.api.security.metrics import register_guard_metrics
 from engine_server.api.servicer import EngineServicer
 from engine_server.api.stream_limit import LocalStreamLimit
+from engine_server.api.vllm_compat import SERVICE_NAME as VLLM_SERVICE
 from engine_server.api.vllm_compat import VllmCompatOptions, VllmEngineServicer
 from engine_server.engine.types import SamplingParams
 from engine_server.frontend.outputs import GenerateRequest
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EngineStarter = Callable[[], Awaitable["EngineHandle"]]
+# The streaming calls worth api/fast_path.py (the gateway's and ours); every other call takes grpclib's path.
+_FAST_METHODS = (EngineServicer.GENERATE_PATH, f"/{VLLM_SERVICE}/Generate")
 _HANDLER_GRACE_S = 5.0  # after the engine drained: time for handlers to flush their last messages
 
 
@@ -97,7 +102,10 @@ class EngineServer:
         handlers: list[Any] = [self.servicer, self.health, self.vllm_servicer]
         if config.enable_reflection:
             handlers = ServerReflection.extend(handlers)
-        self._server: GuardedServer = build_server(handlers, config.security)
+        self._server: GuardedServer = build_server(
+            handlers, config.security,
+            handler_factory=functools.partial(FastPathHandler, fast_methods=_FAST_METHODS),
+        )
         if self.metrics is not None:
             self.metrics.install(self._server)
             register_guard_metrics(self.metrics.registry, self._server.guard_stats)

@@ -46,6 +46,8 @@ _STATE = {
 class EngineServicer(EngineServiceBase):
     """Stateless per call; holds the engine handle (attached once loaded) and the server-wide stream count."""
 
+    GENERATE_PATH = "/engine.v1.EngineService/Generate"  # served by api/fast_path.py when the call qualifies
+
     def __init__(
         self, *, served_model_name: str, max_concurrent_streams: int, metrics: ServerMetrics | None = None,
         in_flight: InFlight | None = None,

@@ -12,6 +12,7 @@ class GuardStats:
     goaways: dict[str, int] = field(default_factory=dict)  # reason -> connections closed
     num_refused_streams: int = 0
     num_dropped_streams: int = 0  # opened and reset in one batch: never dispatched
+    num_fast_path_calls: int = 0  # calls served by api/fast_path.py
 
     def count_goaway(self, reason: str) -> None:
         self.goaways[reason] = self.goaways.get(reason, 0) + 1

@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from ssl import SSLContext
 from typing import Any
 
 from grpclib._typing import IServable
 from grpclib.protocol import H2Protocol
-from grpclib.server import Server
+from grpclib.server import Handler, Server
 
 from engine_server.api.security.budget import GuardStats
 from engine_server.api.security.config import H2Policy
 from engine_server.api.security.h2_guard import GuardedH2Protocol
 from engine_server.api.security.tls import CertificateWatcher
+
+# (mapping, codec, status_details_codec, dispatch, *, stats) -> the Handler of one connection
+HandlerFactory = Callable[..., Handler]
+
+
+def _grpclib_handler(*args: Any, stats: GuardStats) -> Handler:
+    return Handler(*args)
 
 
 class GuardedServer(Server):
@@ -32,9 +39,11 @@ class GuardedServer(Server):
         *,
         policy: H2Policy | None = None,
         cert_reload: tuple[str, str, float] | None = None,
+        handler_factory: HandlerFactory | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(handlers, **kwargs)
+        self._handler_factory = handler_factory or _grpclib_handler
         self.policy = policy if policy is not None else H2Policy()
         self.guard_stats = GuardStats()
         self._cert_reload = cert_reload
@@ -68,10 +77,14 @@ class GuardedServer(Server):
         super().close()
 
     def _protocol_factory(self) -> H2Protocol:
-        # Let grpclib build (and register) the handler, then rewrap it in our protocol.
-        base = super()._protocol_factory()
+        # As grpclib's Server does, with our handler (fast path) and protocol (the guard).
+        self.__gc_step__()
+        handler = self._handler_factory(
+            self._mapping, self._codec, self._status_details_codec, self.__dispatch__, stats=self.guard_stats
+        )
+        self._handlers.add(handler)
         protocol = GuardedH2Protocol(
-            base.handler, base.config, base.h2_config, policy=self.policy, stats=self.guard_stats,
+            handler, self._config, self._h2_config, policy=self.policy, stats=self.guard_stats,
             is_draining=self._is_draining,
         )
         self._protocols.add(protocol)
