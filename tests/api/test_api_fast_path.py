@@ -158,3 +158,39 @@ async def test_only_registered_methods_take_the_fast_path(harness: Harness) -> N
         await harness.stub.GetLoad(info_pb2.GetLoadRequest())
     assert harness.num_fast == before
 
+
+
+def _buffered(*frames: bytes, end: bool = True, max_size: int = 100) -> tuple[bytes | None, list[int], Any]:
+    from types import SimpleNamespace
+
+    from engine_server.api.fast_path import _buffered_request
+    from grpclib.const import Cardinality
+    from grpclib.protocol import Buffer
+
+    acked: list[int] = []
+    buffer = Buffer(acked.append)
+    for frame in frames:
+        buffer.add(frame, len(frame))
+    if end:
+        buffer.eof()
+    stream = SimpleNamespace(buffer=buffer)
+    method = SimpleNamespace(cardinality=Cardinality.UNARY_STREAM)
+    return _buffered_request(stream, method, max_size), acked, buffer
+
+
+def test_the_buffered_request_is_taken_only_when_complete_and_well_formed() -> None:
+    message = b"\x00\x00\x00\x00\x03abc"
+    assert _buffered(message)[:2] == (b"abc", [8])
+    assert _buffered(message[:4], message[4:])[:2] == (b"abc", [4, 4])  # split over two DATA frames
+    for frames, end, max_size in [
+        ((message,), False, 100),  # the client has not ended the stream: it may still be sending
+        ((message[:6],), True, 100),  # shorter than its prefix says
+        ((message + message,), True, 100),  # two messages on a unary request
+        ((b"\x01" + message[1:],), True, 100),  # compressed
+        ((message,), True, 2),  # over the size limit
+        ((), True, 100),  # no message at all
+    ]:
+        taken, acked, buffer = _buffered(*frames, end=end, max_size=max_size)
+        assert taken is None
+        assert acked == []  # left for grpclib's path, which reads (and refuses) it as before
+        assert buffer._unacked.qsize() == len(frames) + end

@@ -18,6 +18,7 @@ request_handler unchanged, which then produces exactly the behaviour and errors 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 import time
@@ -160,9 +161,12 @@ def _buffered_request(stream: Any, method: Any, max_size: int) -> bytes | None:
     if not buffer._eof or buffer._acked:
         return None
     items = buffer._unacked._queue  # (data, data_size, ack_size); the end marker (b"", 0, 0) last
-    if not items or items[-1][2] or any(not item[2] for item in list(items)[:-1]):
+    if len(items) == 2 and items[0][2] and not items[1][2]:  # one DATA frame (the usual case)
+        data: bytes = items[0][0]
+    elif items and not items[-1][2] and all(item[2] for item in itertools.islice(items, len(items) - 1)):
+        data = b"".join(item[0] for item in items)
+    else:
         return None
-    data = b"".join(item[0] for item in items)
     if len(data) < _PREFIX.size:
         return None
     is_compressed, length = _PREFIX.unpack_from(data)
