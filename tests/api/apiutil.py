@@ -5,11 +5,34 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from engine_proto.engine.v1 import generate_pb2, info_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
+from grpclib.client import Channel
+from grpclib.health.v1.health_grpc import HealthStub
+from grpclib.health.v1.health_pb2 import HealthCheckRequest
+
+if TYPE_CHECKING:
+    from engine_server.api.server import EngineServer
+    from fakes import FakeEngine
 
 CALL_TIMEOUT_S = 60.0  # every RPC of the tests carries a deadline
+
+
+class Harness:
+    """An in-process EngineServer (api/server.py) on a fake engine, with a channel and stubs to it."""
+
+    def __init__(self, server: EngineServer, engine: FakeEngine) -> None:
+        self.server = server
+        self.engine = engine
+        self.channel = Channel("127.0.0.1", server.port)
+        self.stub = EngineServiceStub(self.channel)
+        self.health = HealthStub(self.channel)
+
+    async def health_status(self, service: str = "") -> int:
+        response = await self.health.Check(HealthCheckRequest(service=service), timeout=CALL_TIMEOUT_S)
+        return int(response.status)
 
 
 def greedy_request(

@@ -7,29 +7,22 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import apiutil
 import pytest
 from apiutil import CALL_TIMEOUT_S, completion_ids, greedy_request
-from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from engine_server.api.config import ServerConfig
 from engine_server.api.handle import EngineHandle
 from engine_server.api.security.config import SecurityConfig
 from engine_server.api.server import EngineServer
 from engine_server.engine.config import EngineConfig
 from fakes import FakeEngine
-from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 API_KEY = "fast-path-test-key-0123456789"
 
 
-class Harness:
-    def __init__(self, server: EngineServer, engine: FakeEngine) -> None:
-        self.server = server
-        self.engine = engine
-        self.channel = Channel("127.0.0.1", server.port)
-        self.stub = EngineServiceStub(self.channel)
-
+class Harness(apiutil.Harness):
     @property
     def num_fast(self) -> int:
         return self.server._server.guard_stats.num_fast_path_calls

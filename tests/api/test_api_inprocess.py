@@ -12,9 +12,8 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from apiutil import CALL_TIMEOUT_S, completion_ids, finish_reasons, greedy_request
+from apiutil import CALL_TIMEOUT_S, Harness, completion_ids, finish_reasons, greedy_request
 from engine_proto.engine.v1 import generate_pb2, info_pb2
-from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from engine_server.api.config import ServerConfig
 from engine_server.api.handle import EngineHandle
 from engine_server.api.server import EngineServer
@@ -25,23 +24,9 @@ from fakes import FakeEngine
 from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 CONFIG = ServerConfig(port=0, metrics_port=None, drain_timeout_s=5.0)
-
-
-class Harness:
-    def __init__(self, server: EngineServer, engine: FakeEngine) -> None:
-        self.server = server
-        self.engine = engine
-        self.channel = Channel("127.0.0.1", server.port)
-        self.stub = EngineServiceStub(self.channel)
-        self.health = HealthStub(self.channel)
-
-    async def health_status(self, service: str = "") -> int:
-        response = await self.health.Check(HealthCheckRequest(service=service), timeout=CALL_TIMEOUT_S)
-        return int(response.status)
 
 
 async def _started(
