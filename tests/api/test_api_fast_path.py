@@ -1,9 +1,10 @@
-"""api/fast_path.py: a buffered Generate call without deadline is served by the fast path with the results,
-errors, metrics, API-key check and cancellation of grpclib's request_handler; anything else goes to it."""
+"""api/fast_path.py: a buffered Generate call is served by the fast path with the results, errors, metrics,
+API-key check, deadline and cancellation of grpclib's request_handler; anything else goes to it."""
 
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -13,13 +14,18 @@ from apiutil import CALL_TIMEOUT_S, completion_ids, greedy_request
 from engine_server.api.config import ServerConfig
 from engine_server.api.handle import EngineHandle
 from engine_server.api.security.config import SecurityConfig
+from engine_server.api.security.guarded_server import _grpclib_handler
 from engine_server.api.server import EngineServer
 from engine_server.engine.config import EngineConfig
 from fakes import FakeEngine
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.events import DataReceived, ResponseReceived, TrailersReceived
 
 API_KEY = "fast-path-test-key-0123456789"
+GENERATE = "/engine.v1.EngineService/Generate"
 
 
 class Harness(apiutil.Harness):
@@ -34,7 +40,7 @@ class Harness(apiutil.Harness):
         return sample("engine_requests_total", {"rpc": "Generate", "code": code}) or 0.0
 
 
-async def _harness(*, api_key: str | None = None, max_size: int = 4 << 20) -> Harness:
+async def _harness(*, api_key: str | None = None, max_size: int = 4 << 20, fast: bool = True) -> Harness:
     engine = FakeEngine()
     engine.gate.set()
 
@@ -44,6 +50,8 @@ async def _harness(*, api_key: str | None = None, max_size: int = 4 << 20) -> Ha
     security = SecurityConfig(api_key=api_key, max_receive_message_size=max_size)
     config = ServerConfig(port=0, metrics_port=0, drain_timeout_s=5.0, security=security)
     server = EngineServer(config, engine_config=EngineConfig(model="/fake/model"), start_engine=start_engine)
+    if not fast:  # grpclib's request_handler for every call: the reference
+        server._server._handler_factory = _grpclib_handler
     await server.start()
     return Harness(server, engine)
 
@@ -68,26 +76,98 @@ async def _until_fast(call: Callable[[], Any], harness: Harness, *, tries: int =
 
 
 async def test_fast_and_grpclib_paths_give_the_same_responses_and_metrics(harness: Harness) -> None:
-    for stream in (True, False):
-        request = greedy_request([5, 6], max_tokens=3, stream=stream, request_id=f"same-{stream}")
-        fast = await _until_fast(lambda request=request: harness.stub.Generate(request), harness)  # type: ignore[misc]
-        before = harness.num_fast
-        slow = await harness.stub.Generate(request, timeout=CALL_TIMEOUT_S)  # a deadline: grpclib's path
-        assert harness.num_fast == before
-        assert [m.SerializeToString() for m in fast] == [m.SerializeToString() for m in slow]
-        assert completion_ids(fast) == [7, 8, 9]
-    assert harness.count("OK") >= 4  # the metrics listener counted the fast calls too
+    reference = await _harness(fast=False)
+    try:
+        for stream in (True, False):
+            for timeout in (None, CALL_TIMEOUT_S):
+                request = greedy_request([5, 6], max_tokens=3, stream=stream, request_id=f"same-{stream}")
+                fast = await _until_fast(
+                    lambda request=request, timeout=timeout: harness.stub.Generate(  # type: ignore[misc]
+                        request, timeout=timeout), harness)
+                slow = await reference.stub.Generate(request, timeout=timeout)
+                assert [m.SerializeToString() for m in fast] == [m.SerializeToString() for m in slow]
+                assert completion_ids(fast) == [7, 8, 9]
+        assert reference.num_fast == 0
+        assert harness.count("OK") == reference.count("OK") == 4  # the fast calls were counted too
+    finally:
+        reference.channel.close()
+        await reference.server.close()
 
 
 async def test_errors_are_the_same_on_both_paths(harness: Harness) -> None:
-    statuses = []
-    for timeout in (None, CALL_TIMEOUT_S):
-        with pytest.raises(GRPCError) as caught:
-            await harness.stub.Generate(greedy_request([10_000]), timeout=timeout)  # outside the vocabulary
-        statuses.append((caught.value.status, caught.value.message))
-    assert statuses[0] == statuses[1]
-    assert statuses[0][0] == Status.INVALID_ARGUMENT
-    assert harness.count("INVALID_ARGUMENT") == 2
+    reference = await _harness(fast=False)
+    try:
+        statuses = []
+        for h in (harness, reference):
+            with pytest.raises(GRPCError) as caught:
+                await h.stub.Generate(greedy_request([10_000]))  # outside the vocabulary
+            statuses.append((caught.value.status, caught.value.message))
+            assert h.count("INVALID_ARGUMENT") == 1
+        assert statuses[0] == statuses[1]
+        assert statuses[0][0] == Status.INVALID_ARGUMENT
+    finally:
+        reference.channel.close()
+        await reference.server.close()
+
+
+async def _raw_call(port: int, request: bytes, extra_headers: list[tuple[str, str]]) -> dict[str, str]:
+    """One Generate call over plain h2 (HEADERS and DATA in one write; headers a grpclib client cannot set,
+    and no client-side deadline racing the server's); returns the trailers."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    client = H2Connection(H2Configuration(client_side=True, header_encoding="ascii"))
+    client.initiate_connection()
+    client.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":path", GENERATE),
+                            (":authority", "test"), ("content-type", "application/grpc"), ("te", "trailers"),
+                            *extra_headers])
+    client.send_data(1, struct.pack(">BI", 0, len(request)) + request, end_stream=True)
+    writer.write(client.data_to_send())
+    trailers: dict[str, str] = {}
+    try:
+        while "grpc-status" not in trailers:
+            data = await asyncio.wait_for(reader.read(65536), CALL_TIMEOUT_S)
+            assert data, "connection closed before the trailers"
+            for event in client.receive_data(data):
+                if isinstance(event, (ResponseReceived, TrailersReceived)):
+                    trailers.update((str(name), str(value)) for name, value in event.headers)
+                elif isinstance(event, DataReceived):
+                    client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            writer.write(client.data_to_send())
+    finally:
+        writer.close()
+    return trailers
+
+
+async def test_a_passed_deadline_on_the_fast_path_is_deadline_exceeded_and_aborts(harness: Harness) -> None:
+    reference = await _harness(fast=False)
+    try:
+        request = greedy_request([5], max_tokens=10).SerializeToString()
+        counts = []
+        for h in (harness, reference):
+            h.engine.gate.clear()  # the stream stalls after its first message: the deadline passes
+            trailers = await _raw_call(h.server.port, request, [("grpc-timeout", "300m")])
+            assert trailers["grpc-status"] == str(Status.DEADLINE_EXCEEDED.value)
+            for _ in range(100):
+                if h.engine.num_cancelled:
+                    break
+                await asyncio.sleep(0.01)
+            assert h.engine.num_cancelled == 1
+            assert not h.engine.in_flight
+            counts.append({code: h.count(code) for code in ("OK", "CANCELLED", "DEADLINE_EXCEEDED")})
+        assert harness.num_fast == 1
+        assert reference.num_fast == 0
+        assert counts[0] == counts[1]  # (grpclib's listener sees the deadline's cancellation: CANCELLED)
+    finally:
+        reference.channel.close()
+        await reference.server.close()
+
+
+async def test_a_malformed_deadline_is_answered_by_grpclib(harness: Harness) -> None:
+    before = harness.num_fast
+    request = greedy_request([5], max_tokens=2).SerializeToString()
+    trailers = await _raw_call(harness.server.port, request, [("grpc-timeout", "soon")])
+    assert trailers["grpc-status"] == str(Status.UNKNOWN.value)
+    assert trailers["grpc-message"] == "Invalid grpc-timeout header"
+    assert harness.num_fast == before
 
 
 async def test_an_oversized_request_takes_grpclibs_path_and_is_refused() -> None:

@@ -3,21 +3,23 @@
 grpclib runs every call through `request_handler`: header checks, deadline parsing, metadata decoding, the
 RecvRequest listener chain (here: the message-size limit of api/security/limits.py), a receive that awaits
 the request through an asyncio.Queue, then the method. For the commonest call (a unary request that is
-already complete when its task starts: HEADERS and DATA+END_STREAM arrive together from every gRPC client)
-without a deadline, most of that has a known answer: ~20 us of the ~230 us a Generate call cost the frontend
-here (1-token requests on the simulated engine).
+already complete when its task starts: HEADERS and DATA+END_STREAM arrive together from every gRPC client),
+most of that has a known answer: ~20-30 us of the ~240 us a Generate call cost the frontend here (1-token
+requests on the simulated engine).
 
 `FastPathHandler` starts every call as grpclib would; a call to a method registered for the fast path that
 passes every check below is served here the way request_handler serves it (the same checks and Stream, the
-request read from the buffer, the same error -> trailers mapping, cancellation on reset through the same
-Wrapper, the same release; the API-key check and the call metrics applied through the `wrap_method` their
-listeners also use). Anything unusual (another method, a deadline, an unknown listener, a request that is
-not complete, well-formed and within the size limit, a non-proto content type) goes to grpclib's
-request_handler unchanged, which then produces exactly the behaviour and errors it always did.
+request read from the buffer, the same error -> trailers mapping, deadline and cancellation on reset through
+the same wrappers, the same release; the API-key check and the call metrics applied through the
+`wrap_method` their listeners also use). Anything unusual (another method, an unknown listener, a request
+that is not complete, well-formed and within the size limit, a malformed grpc-timeout, a non-proto content
+type) goes to grpclib's request_handler unchanged, which then produces exactly the behaviour and errors it
+always did.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import struct
@@ -25,13 +27,13 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from grpclib.const import Cardinality
+from grpclib.const import Cardinality, Status
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.events import RecvMessage, RecvRequest
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
-from grpclib.metadata import decode_metadata
+from grpclib.metadata import Deadline, decode_metadata
 from grpclib.server import Handler, Stream, request_handler
-from grpclib.utils import Wrapper
+from grpclib.utils import DeadlineWrapper, Wrapper
 
 from engine_server.api.security.budget import GuardStats
 from engine_server.api.security.limits import MessageSizeLimit
@@ -64,9 +66,14 @@ class FastPathHandler(Handler):
         path = headers_map.get(":path")
         method = self.mapping.get(path) if path in self._fast_methods else None
         del path
-        request = None
+        request = deadline = None
         if method is not None and self._size_limit is not None and _plain_headers(headers_map, self.codec):
-            request = _buffered_request(stream, method, self._size_limit.max_receive_message_size)
+            try:
+                deadline = Deadline.from_headers(headers)
+            except ValueError:  # grpclib answers it (UNKNOWN, "Invalid grpc-timeout header")
+                pass
+            else:
+                request = _buffered_request(stream, method, self._size_limit.max_receive_message_size)
         if request is None:
             await request_handler(self.mapping, stream, headers, self.codec, self.status_details_codec,
                                   self.dispatch, release_stream)
@@ -74,7 +81,7 @@ class FastPathHandler(Handler):
         if self._stats is not None:
             self._stats.num_fast_path_calls += 1
         try:
-            await self._serve(stream, headers, headers_map, method, request)
+            await self._serve(stream, headers, headers_map, method, request, deadline)
         except ProtocolError:
             log.exception("Application error")
         except Exception:
@@ -83,16 +90,23 @@ class FastPathHandler(Handler):
             release_stream()
 
     async def _serve(self, stream: Any, headers: list[tuple[str, str]], headers_map: dict[str, str],
-                     method: Any, body: bytes) -> None:
-        # NOTE: as grpclib's request_handler, for a call without deadline whose request is `body`.
+                     method: Any, body: bytes, deadline: Deadline | None) -> None:
+        # NOTE: as grpclib's request_handler, for a call whose request is `body`.
         async with Stream(
             stream, headers_map[":path"], method.cardinality, method.request_type, method.reply_type,
             codec=self.codec, status_details_codec=self.status_details_codec, dispatch=self.dispatch,
-            user_agent=headers_map.get("user-agent"),
+            deadline=deadline, user_agent=headers_map.get("user-agent"),
         ) as call:
-            wrapper = stream.wrapper = Wrapper()
+            wrapper: Wrapper
+            deadline_wrapper: contextlib.AbstractContextManager[Any]
+            if deadline is None:
+                wrapper = stream.wrapper = Wrapper()
+                deadline_wrapper = contextlib.nullcontext()
+            else:
+                wrapper = stream.wrapper = DeadlineWrapper()
+                deadline_wrapper = wrapper.start(deadline)
             try:
-                with wrapper:
+                with deadline_wrapper, wrapper:
                     call.metadata = metadata = decode_metadata(headers)
                     method_func = method.func
                     for wrapper_listener in self._wrappers:  # as grpclib's RecvRequest dispatch, in order
@@ -107,6 +121,15 @@ class FastPathHandler(Handler):
                     call.recv_message = _Once(message)  # type: ignore[method-assign]
                     await method_func(call)
             except GRPCError:
+                raise
+            except TimeoutError:
+                if wrapper.cancel_failed:
+                    log.exception("Failed to handle cancellation")
+                    raise GRPCError(Status.DEADLINE_EXCEEDED) from None
+                if wrapper.cancelled:
+                    log.info("Deadline exceeded")
+                    raise GRPCError(Status.DEADLINE_EXCEEDED) from None
+                log.exception("Timeout occurred")
                 raise
             except StreamTerminatedError as err:
                 if wrapper.cancel_failed:
@@ -147,8 +170,7 @@ def _call_listeners(dispatch: Any) -> tuple[MessageSizeLimit | None, tuple[Any, 
 
 def _plain_headers(headers: dict[str, str], codec: Any) -> bool:
     return (headers.get(":method") == "POST" and headers.get("content-type") in _CONTENT_TYPES
-            and headers.get("te") == "trailers" and "grpc-timeout" not in headers
-            and type(codec) is ProtoCodec)
+            and headers.get("te") == "trailers" and type(codec) is ProtoCodec)
 
 
 def _buffered_request(stream: Any, method: Any, max_size: int) -> bytes | None:
