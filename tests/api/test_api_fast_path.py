@@ -267,3 +267,19 @@ def test_the_buffered_request_is_taken_only_when_complete_and_well_formed() -> N
         assert taken is None
         assert acked == []  # left for grpclib's path, which reads (and refuses) it as before
         assert buffer._unacked.qsize() == len(frames) + end
+
+
+async def test_a_malformed_request_fails_as_on_grpclibs_path(harness: Harness) -> None:
+    reference = await _harness(fast=False)
+    try:
+        results = []
+        for h in (harness, reference):
+            trailers = await _raw_call(h.server.port, b"\xff\xff\xff", [])  # not a GenerateRequest
+            results.append((trailers["grpc-status"], trailers.get("grpc-message"), h.count("UNKNOWN")))
+        assert results[0] == results[1]
+        assert results[0][0] == str(Status.UNKNOWN.value)
+        assert results[0][2] == 1  # counted by the metrics wrapper on both paths
+        assert harness.num_fast == 1
+    finally:
+        reference.channel.close()
+        await reference.server.close()

@@ -113,12 +113,7 @@ class FastPathHandler(Handler):
                         method_func = wrapper_listener.wrap_method(
                             method_func, method_name=call._method_name, metadata=metadata, peer=call.peer
                         )
-                    message = self.codec.decode(body, method.request_type)
-                    call._messages_received += 1
-                    connection = stream.connection
-                    connection.messages_received += 1
-                    connection.last_message_received = time.monotonic()
-                    call.recv_message = _Once(message)  # type: ignore[method-assign]
+                    call.recv_message = _Once(call, body)  # type: ignore[method-assign]
                     await method_func(call)
             except GRPCError:
                 raise
@@ -143,15 +138,27 @@ class FastPathHandler(Handler):
 
 
 class _Once:
-    """`recv_message` of a unary-request call whose request was read already: it, then None."""
+    """`recv_message` of a unary-request call whose request was read already: it, then None.
 
-    __slots__ = ("_message",)
+    NOTE: decoded on the first call, as grpclib decodes in `recv_message`: a malformed request fails inside
+    the method (and the listeners' wrappers around it, e.g. the call metrics), as on grpclib's path.
+    """
 
-    def __init__(self, message: Any) -> None:
-        self._message = message
+    __slots__ = ("_body", "_call")
+
+    def __init__(self, call: Stream[Any, Any], body: bytes) -> None:
+        self._call: Stream[Any, Any] | None = call
+        self._body = body
 
     async def __call__(self) -> Any:
-        message, self._message = self._message, None
+        call, self._call = self._call, None
+        if call is None:
+            return None
+        message = call._codec.decode(self._body, call._recv_type)
+        call._messages_received += 1
+        connection = call._stream.connection
+        connection.messages_received += 1
+        connection.last_message_received = time.monotonic()
         return message
 
 
