@@ -148,7 +148,10 @@ class _CallCounter:
                 code = exc.status
                 raise
             except asyncio.CancelledError:
-                code = Status.CANCELLED
+                # NOTE: a passed deadline also reaches the method as a cancellation (grpclib's wrapper).
+                deadline = getattr(stream, "deadline", None)
+                passed = deadline is not None and deadline.time_remaining() <= 0
+                code = Status.DEADLINE_EXCEEDED if passed else Status.CANCELLED
                 raise
             except Exception:
                 code = Status.UNKNOWN
