@@ -157,7 +157,9 @@ def test_guard_stats_are_exported_to_prometheus() -> None:
     stats.count_goaway("rapid_reset")
     stats.count_goaway("rapid_reset")
     stats.num_dropped_streams = 7
+    stats.num_fast_path_calls = 3
     assert registry.get_sample_value("engine_http2_goaways_total", {"reason": "rapid_reset"}) == 2
+    assert registry.get_sample_value("engine_grpc_fast_path_calls_total") == 3
     assert registry.get_sample_value("engine_http2_dropped_streams_total") == 7
     assert registry.get_sample_value("engine_http2_refused_streams_total") == 0
 

@@ -34,6 +34,11 @@ class GuardStatsCollector(Collector):
             "streams opened and reset by the client within one read: never dispatched",
             value=self._stats.num_dropped_streams,
         )
+        yield CounterMetricFamily(
+            "engine_grpc_fast_path_calls",
+            "calls served by the buffered-call fast path (api/fast_path.py), not grpclib's request handler",
+            value=self._stats.num_fast_path_calls,
+        )
 
 
 def register_guard_metrics(registry: CollectorRegistry, stats: GuardStats) -> None:
