@@ -165,6 +165,33 @@ func TestCancelReachesServer(t *testing.T) {
 	}
 }
 
+func TestNoBufferedMessageAfterTheContextIsDone(t *testing.T) {
+	client, _ := startFake(t)
+	for _, want := range []codes.Code{codes.Canceled, codes.DeadlineExceeded} {
+		ctx, cancel := context.WithTimeout(testContext(t), time.Hour)
+		if want == codes.DeadlineExceeded {
+			ctx, cancel = context.WithTimeout(testContext(t), 300*time.Millisecond)
+		}
+		stream, err := client.Generate(ctx, engine.TextPrompt("hi", engine.MaxTokens(50)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := stream.Recv(); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond) // NOTE: the other 49 messages arrive and wait in gRPC's buffer
+		if want == codes.Canceled {
+			cancel()
+		} else {
+			<-ctx.Done()
+		}
+		if _, err := stream.Recv(); status.Code(err) != want {
+			t.Errorf("Recv after the context is done = %v, want %v", err, want)
+		}
+		cancel()
+	}
+}
+
 func TestBreakingOutOfAllClosesTheCall(t *testing.T) {
 	client, _ := startFake(t)
 	stream, err := client.Generate(testContext(t), engine.TextPrompt("hi", engine.MaxTokens(50)))

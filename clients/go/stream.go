@@ -45,14 +45,21 @@ func (c *Client) Generate(
 }
 
 // Recv returns the next response. It returns io.EOF after the last one (the stream ended with status OK), or
-// a gRPC status error; after either it keeps returning the same error.
+// a gRPC status error (CANCELED or DEADLINE_EXCEEDED once ctx is done, even if responses were still buffered);
+// after either it keeps returning the same error.
 func (s *GenerateStream) Recv() (*enginev1.GenerateResponse, error) {
 	if s.err != nil {
 		return nil, s.err
 	}
-	// NOTE: gRPC may still hand out buffered messages after a cancel; a closed stream yields no more.
+	// NOTE: gRPC may still hand out buffered messages after a cancel; a closed stream, or one whose context is
+	// done (cancelled or past its deadline), yields no more.
 	if s.closed.Load() {
 		s.err = status.Error(codes.Canceled, "engine: generate stream closed")
+		return nil, s.err
+	}
+	if err := s.stream.Context().Err(); err != nil {
+		s.err = status.FromContextError(err).Err()
+		s.cancel()
 		return nil, s.err
 	}
 	resp, err := s.stream.Recv()
