@@ -20,14 +20,19 @@ REQUEST = [(":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authori
 RESPONSE = [(":status", "200")]
 
 
-def _pair(*, lazy: bool, limit: int) -> tuple[H2Connection, H2Connection]:
-    client = H2Connection(H2Configuration(client_side=True))
-    server = H2Connection(H2Configuration(client_side=False))
+def _pair(
+    *, lazy: bool, limit: int | None = None, client_config: H2Configuration | None = None,
+    server_config: H2Configuration | None = None,
+) -> tuple[H2Connection, H2Connection]:
+    """A client and a server connection past the preface and SETTINGS exchange (lazy: the server is ours)."""
+    client = H2Connection(client_config or H2Configuration(client_side=True))
+    server = H2Connection(server_config or H2Configuration(client_side=False))
     if lazy:
         use_lazy_counting(server)
     client.initiate_connection()
     server.initiate_connection()
-    server.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: limit})
+    if limit is not None:
+        server.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: limit})
     for _ in range(2):  # preface and SETTINGS both ways, then the ACKs
         server.receive_data(client.data_to_send())
         client.receive_data(server.data_to_send())
@@ -161,18 +166,15 @@ def test_caching_decoder_applies_a_lowered_header_list_limit_to_a_kept_block() -
 
 
 def _serve(header_sets: list[list[Any]], *, lean: bool, validate: bool) -> list[object]:
-    client = H2Connection(H2Configuration(  # sends what it is given, even an illegal header
-        client_side=True, header_encoding="ascii", validate_outbound_headers=False,
-        normalize_outbound_headers=False))
-    server = H2Connection(H2Configuration(
-        client_side=False, header_encoding="ascii", validate_inbound_headers=validate,
-        normalize_inbound_headers=validate))
-    if lean:
-        use_lazy_counting(server)
-    client.initiate_connection()
-    server.initiate_connection()
-    server.receive_data(client.data_to_send())
-    client.receive_data(server.data_to_send())
+    client, server = _pair(
+        lazy=lean,
+        client_config=H2Configuration(  # sends what it is given, even an illegal header
+            client_side=True, header_encoding="ascii", validate_outbound_headers=False,
+            normalize_outbound_headers=False),
+        server_config=H2Configuration(
+            client_side=False, header_encoding="ascii", validate_inbound_headers=validate,
+            normalize_inbound_headers=validate),
+    )
     log: list[object] = []
     for headers in header_sets:
         stream_id = client.get_next_available_stream_id()

@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import struct
-import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -36,11 +34,10 @@ from grpclib.server import Handler, Stream, request_handler
 from grpclib.utils import DeadlineWrapper, Wrapper
 
 from engine_server.api.security.budget import GuardStats
-from engine_server.api.security.limits import MessageSizeLimit
+from engine_server.api.security.limits import MESSAGE_PREFIX, MessageSizeLimit, decode_received
 
 log = logging.getLogger(__name__)
 
-_PREFIX = struct.Struct(">BI")  # gRPC: compressed flag, message length
 _CONTENT_TYPES = frozenset({"application/grpc", "application/grpc+proto"})
 
 
@@ -65,7 +62,6 @@ class FastPathHandler(Handler):
         headers_map = dict(headers)
         path = headers_map.get(":path")
         method = self.mapping.get(path) if path in self._fast_methods else None
-        del path
         request = deadline = None
         if method is not None and self._size_limit is not None and _plain_headers(headers_map, self.codec):
             try:
@@ -154,12 +150,7 @@ class _Once:
         call, self._call = self._call, None
         if call is None:
             return None
-        message = call._codec.decode(self._body, call._recv_type)
-        call._messages_received += 1
-        connection = call._stream.connection
-        connection.messages_received += 1
-        connection.last_message_received = time.monotonic()
-        return message
+        return decode_received(call, self._body)
 
 
 def _call_listeners(dispatch: Any) -> tuple[MessageSizeLimit | None, tuple[Any, ...]]:
@@ -196,14 +187,14 @@ def _buffered_request(stream: Any, method: Any, max_size: int) -> bytes | None:
         data = b"".join(item[0] for item in items)
     else:
         return None
-    if len(data) < _PREFIX.size:
+    if len(data) < MESSAGE_PREFIX.size:
         return None
-    is_compressed, length = _PREFIX.unpack_from(data)
-    if is_compressed or length > max_size or len(data) != _PREFIX.size + length:
+    is_compressed, length = MESSAGE_PREFIX.unpack_from(data)
+    if is_compressed or length > max_size or len(data) != MESSAGE_PREFIX.size + length:
         return None
     queue, ack = buffer._unacked, buffer._ack_callback
     while not queue.empty():
         ack_size = queue.get_nowait()[2]
         if ack_size:
             ack(ack_size)  # as grpclib's Buffer.read acknowledges what it reads
-    return data[_PREFIX.size:]
+    return data[MESSAGE_PREFIX.size:]

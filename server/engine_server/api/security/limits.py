@@ -22,16 +22,16 @@ from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 from grpclib.server import Server, Stream
 
-_PREFIX = struct.Struct(">?I")
+MESSAGE_PREFIX = struct.Struct(">?I")  # gRPC's 5-byte message prefix: compressed flag, length
 
 
 async def _recv_bounded(stream: Stream[Any, Any], max_size: int) -> Any:
     # Mirrors grpclib.server.Stream.recv_message + grpclib.stream.recv_message (0.4.x) with the size check.
     h2_stream = stream._stream
-    prefix = await h2_stream.recv_data(_PREFIX.size)
+    prefix = await h2_stream.recv_data(MESSAGE_PREFIX.size)
     if not prefix:
         return None
-    is_compressed, length = _PREFIX.unpack(prefix)
+    is_compressed, length = MESSAGE_PREFIX.unpack(prefix)
     if is_compressed:
         raise GRPCError(Status.UNIMPLEMENTED, "compressed request messages are not supported")
     if length > max_size:
@@ -42,11 +42,17 @@ async def _recv_bounded(stream: Stream[Any, Any], max_size: int) -> Any:
     body = await h2_stream.recv_data(length)
     if len(body) != length:
         raise GRPCError(Status.INTERNAL, "incomplete request message")
+    (message,) = await stream._dispatch.recv_message(decode_received(stream, body))
+    return message
+
+
+def decode_received(stream: Stream[Any, Any], body: bytes) -> Any:
+    """A received message's body decoded, counted on the call and its connection as grpclib counts it."""
     message = stream._codec.decode(body, stream._recv_type)
-    (message,) = await stream._dispatch.recv_message(message)
     stream._messages_received += 1
-    h2_stream.connection.messages_received += 1
-    h2_stream.connection.last_message_received = time.monotonic()
+    connection = stream._stream.connection
+    connection.messages_received += 1
+    connection.last_message_received = time.monotonic()
     return message
 
 
