@@ -18,6 +18,7 @@ import (
 // A GenerateStream is not safe for concurrent use, except Close, which may be called from any goroutine.
 type GenerateStream struct {
 	stream    grpc.ServerStreamingClient[enginev1.GenerateResponse]
+	callerCtx context.Context // the ctx Generate was given: done once the caller cancels or its deadline passes
 	cancel    context.CancelFunc
 	requestID string
 	err       error // sticky: io.EOF after the end, or the error that ended the stream
@@ -35,13 +36,14 @@ func (c *Client) Generate(
 	}
 	// NOTE: a child context, so that Close and the end of the stream release the call even when the caller's
 	// context lives on.
+	callerCtx := ctx
 	ctx, cancel := context.WithCancel(ctx)
 	stream, err := c.rpc.Generate(ctx, req, opts...)
 	if err != nil {
 		cancel()
 		return nil, err
 	}
-	return &GenerateStream{stream: stream, cancel: cancel, requestID: req.GetRequestId()}, nil
+	return &GenerateStream{stream: stream, callerCtx: callerCtx, cancel: cancel, requestID: req.GetRequestId()}, nil
 }
 
 // Recv returns the next response. It returns io.EOF after the last one (the stream ended with status OK), or
@@ -57,7 +59,8 @@ func (s *GenerateStream) Recv() (*enginev1.GenerateResponse, error) {
 		s.err = status.Error(codes.Canceled, "engine: generate stream closed")
 		return nil, s.err
 	}
-	if err := s.stream.Context().Err(); err != nil {
+	// NOTE: the caller's context itself: the call's child context learns of its end a moment later.
+	if err := s.callerCtx.Err(); err != nil {
 		s.err = status.FromContextError(err).Err()
 		s.cancel()
 		return nil, s.err
