@@ -79,6 +79,8 @@ def test_fast_path_internals() -> None:
     assert connection.data_to_send()
     assert not connection._data_to_send
     assert "self._eof = True" in inspect.getsource(grpclib.protocol.Buffer.eof)
+    # api/fast_send.py: a written DATA frame stamps last_message_sent with the time data_send_process took
+    assert "self.last_data_sent = time.monotonic()" in inspect.getsource(Connection.data_send_process)
     assert "_open_streams(inbound_numbers)" in inspect.getsource(H2Connection)
     assert "self._begin_new_stream(" in inspect.getsource(H2Connection._get_or_create_stream)
     assert "self._process_received_headers(" in inspect.getsource(H2Stream.receive_headers)
