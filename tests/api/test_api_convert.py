@@ -115,3 +115,37 @@ def test_errors_map_in_one_place(exc: Exception, status: str, message: str) -> N
     error = to_grpc_error(exc, rpc="Generate", request_id="r")
     assert error.status.name == status
     assert error.message == message
+
+
+def test_requests_with_the_same_knobs_share_their_sampling_params() -> None:
+    def request(**sampling: float) -> generate_pb2.GenerateRequest:
+        message = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[1, 2]))
+        for name, value in sampling.items():
+            setattr(message.sampling, name, value)
+        message.stopping.max_tokens = 5
+        return message
+
+    first, again = _convert(request(temperature=0.5)).params, _convert(request(temperature=0.5)).params
+    assert again is first  # frozen, so one object serves both
+    other = _convert(request(temperature=0.25)).params
+    assert other.temperature == 0.25 and first.temperature == 0.5
+    assert _convert(request(temperature=0.5, top_k=3)).params.top_k == 3
+    unset = _convert(request()).params
+    assert unset.temperature == 1.0  # unset is not the same as any explicit value
+    assert _convert(request(temperature=1.0)).params == unset
+    # a set repeated or map field: built per request (and still right), never kept
+    with_stops = request(temperature=0.5)
+    with_stops.stopping.stop_token_ids.append(3)
+    biased = request(temperature=0.5)
+    biased.sampling.logit_bias[4] = 1.5
+    kept = len(convert._KEPT_PARAMS)
+    assert _convert(with_stops).params.stop_token_ids == (3,)
+    assert _convert(biased).params.logit_bias == ((4, 1.5),)
+    assert _convert(biased).params is not _convert(biased).params
+    assert len(convert._KEPT_PARAMS) == kept
+    # an invalid request fails every time (a failure is never kept)
+    for _ in range(2):
+        with pytest.raises(RequestError, match=r"sampling\.top_p"):
+            _convert(request(top_p=1.5))
+    # a different vocabulary (another model) never reuses a request's params checked against this one
+    assert all(key[0] == INFO.vocab_size for key in convert._KEPT_PARAMS)

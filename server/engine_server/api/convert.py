@@ -104,11 +104,37 @@ _STOPPING_FIELDS = frozenset({"max_tokens", "min_tokens", "ignore_eos"})
 _OUTPUT_FIELDS = frozenset({"logprobs", "prompt_logprobs"})
 
 
+# SamplingParams is frozen: requests that set the same knobs to the same values share one (clients send the
+# same few combinations). Keyed by the (field, value) pairs ListFields() returned, scalar values only: a set
+# repeated or map field (stop strings, stop ids, logit bias) makes a request build its own. Bounded.
+_KEPT_PARAMS: dict[tuple[Any, ...], SamplingParams] = {}
+_MAX_KEPT_PARAMS = 256
+_SCALAR_TYPES = frozenset({int, float, bool, str})
+
+
 def _sampling_params(msg: generate_pb2.GenerateRequest, *, vocab_size: int) -> SamplingParams:
     # NOTE: ListFields() names only what the client set (one C call), where a HasField() per knob cost ~20 us
     # per request; explicit presence is kept (an optional field set to 0 is listed).
+    sampling, stopping, output = msg.sampling.ListFields(), msg.stopping.ListFields(), msg.output.ListFields()
+    key = (vocab_size, *sampling, None, *stopping, None, *output)
+    try:
+        params = _KEPT_PARAMS.get(key)
+    except TypeError:  # a set repeated field (its value is unhashable)
+        params = None
+    if params is not None:
+        return params
+    params = _new_sampling_params(sampling, stopping, output, vocab_size=vocab_size)
+    if all(type(value) in _SCALAR_TYPES for fields in (sampling, stopping, output) for _, value in fields):
+        if len(_KEPT_PARAMS) >= _MAX_KEPT_PARAMS:
+            _KEPT_PARAMS.clear()
+        _KEPT_PARAMS[key] = params
+    return params
+
+
+def _new_sampling_params(sampling: Sequence[tuple[Any, Any]], stopping: Sequence[tuple[Any, Any]],
+                         output: Sequence[tuple[Any, Any]], *, vocab_size: int) -> SamplingParams:
     kwargs: dict[str, Any] = {}
-    for descriptor, value in msg.sampling.ListFields():
+    for descriptor, value in sampling:
         name = descriptor.name
         if name in _SAMPLING_FIELDS:
             kwargs[name] = value
@@ -121,14 +147,14 @@ def _sampling_params(msg: generate_pb2.GenerateRequest, *, vocab_size: int) -> S
     n = kwargs.get("n", 1)
     if not 1 <= n <= MAX_N:
         raise RequestError("sampling.n", f"must be in [1, {MAX_N}], got {n}")
-    for descriptor, value in msg.stopping.ListFields():
+    for descriptor, value in stopping:
         name = descriptor.name
         if name in _STOPPING_FIELDS:
             kwargs[name] = value
         elif name == "stop_token_ids":
             check_token_ids(value, field="stopping.stop_token_ids", vocab_size=vocab_size)
             kwargs["stop_token_ids"] = tuple(value)
-    for descriptor, value in msg.output.ListFields():
+    for descriptor, value in output:
         if descriptor.name in _OUTPUT_FIELDS:
             kwargs[descriptor.name] = value
     try:
