@@ -229,3 +229,67 @@ def test_received_frames_skip_the_long_repr_only_without_a_logger() -> None:
     frames = list(quiet.incoming_buffer)
     assert [repr(frame) for frame in frames] == ["SettingsFrame(stream_id=0)", "HeadersFrame(stream_id=1)"]
     assert all(isinstance(frame, Frame) for frame in frames)
+
+
+def _frame_bytes(kind: int, flags: int, stream_id: int, body: bytes) -> bytes:
+    return (len(body).to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big") + body)
+
+
+_FRAME_FIELDS = ("data", "pad_length", "depends_on", "stream_weight", "exclusive", "window_increment",
+                 "error_code")
+
+
+def _frames_and_errors(buffer_class: type, chunks: list[bytes], max_frame_size: int) -> list[Any]:
+    buffer = buffer_class(server=False)
+    buffer.max_frame_size = max_frame_size
+    seen: list[Any] = []
+    for chunk in chunks:
+        buffer.add_data(chunk)
+        try:
+            for frame in buffer:
+                seen.append((type(frame).__name__, frame.type, frame.stream_id, sorted(frame.flags),
+                             frame.body_len, {name: getattr(frame, name, None) for name in _FRAME_FIELDS}))
+        except Exception as exc:  # the same error at the same place, or the test fails
+            seen.append((type(exc).__name__, str(exc)))
+            break
+    return seen
+
+
+def test_plain_frames_are_built_as_hyperframe_parses_them() -> None:
+    """Random frame sequences, cut at random places: the same frames (class, flags, fields) or the same error
+    as h2's own buffer, whichever way each frame was built."""
+    from engine_server.api.h2_streams import _QuietFrameBuffer
+    from h2.frame_buffer import FrameBuffer
+
+    rng = random.Random(7)
+    kinds = [
+        (0, 0x0), (0, 0x1), (0, 0x8), (0, 0x9), (0, 0x2 | 0x40),  # DATA: end, padded, undefined bits
+        (1, 0x4), (1, 0x5), (1, 0x4 | 0x20), (1, 0x4 | 0x8), (1, 0x4 | 0x2), (1, 0x0),  # HEADERS
+        (9, 0x4), (8, 0x0), (3, 0x0), (4, 0x0), (6, 0x0), (0x42, 0x0),  # CONTINUATION, others, unknown
+    ]
+    for trial in range(300):
+        wire = b""
+        for _ in range(rng.randrange(1, 8)):
+            kind, flags = rng.choice(kinds)
+            stream_id = rng.choice([1, 3, 5, 2**31 - 1, (1 << 31) | 7]) if kind not in (4, 6) else 0
+            if rng.random() < 0.05:
+                stream_id = 0  # DATA/HEADERS on stream 0: hyperframe refuses the frame
+            body = bytes(rng.randrange(256) for _ in range(rng.choice([0, 1, 4, 8, 40])))
+            if kind == 8:
+                body = (1).to_bytes(4, "big")
+            elif kind == 3:
+                body = (8).to_bytes(4, "big")
+            elif kind == 6:
+                body = bytes(8)
+            elif kind == 4:
+                body = b""
+            elif flags & 0x8:  # a pad length byte, sometimes too long
+                body = bytes([rng.choice([0, 2, 200])]) + body + bytes(2)
+            if kind == 1 and flags & 0x20:
+                body = bytes(5) + body
+            wire += _frame_bytes(kind, flags, stream_id, body)
+        cuts = sorted(rng.sample(range(1, len(wire)), min(3, len(wire) - 1))) if len(wire) > 1 else []
+        chunks = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
+        max_size = rng.choice([16384, 30])
+        expected = _frames_and_errors(FrameBuffer, chunks, max_size)
+        assert _frames_and_errors(_QuietFrameBuffer, chunks, max_size) == expected, trial

@@ -20,11 +20,14 @@ What fails to decode or validate is never kept: it raises as it did, every time.
 Received frames: h2 formats `repr(frame)` (flags, body) for a trace log on every frame it receives, even when
 the log goes nowhere (its default logger): ~3 us per frame here. A connection with that default logger gets
 frames whose repr is only their type and stream id (the frame buffer hands out subclasses that differ in
-nothing else; h2's dispatch table learns them).
+nothing else; h2's dispatch table learns them). The two frames of every call (a HEADERS block in one frame,
+a DATA frame), neither padded nor with a priority, are built directly rather than through hyperframe's generic
+parse (a flag set per frame, a Flag walk, memoryview slicing): the same objects, ~3 us less per call.
 """
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 from h2.config import DummyLogger
@@ -33,7 +36,8 @@ from h2.frame_buffer import FrameBuffer
 from h2.stream import H2Stream
 from hpack import Decoder, HeaderTuple
 from hpack.table import HeaderTable
-from hyperframe.frame import Frame
+from hyperframe.flags import Flags
+from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
 _MIN_SCAN_SIZE = 64
 _MAX_KEPT = 64  # entries per cache (per connection): cleared when full
@@ -134,8 +138,57 @@ def _quiet_class(frame_class: type[Frame]) -> type[Frame]:
     return quiet
 
 
+_FRAME_HEADER = struct.Struct(">BHBBL")  # 24-bit length (as 8 + 16 bits), type, flags, stream id
+_DATA, _HEADERS = 0x0, 0x1
+_END_STREAM, _END_HEADERS, _PADDED, _PRIORITY = 0x1, 0x4, 0x8, 0x20
+_QUIET_DATA, _QUIET_HEADERS = _quiet_class(DataFrame), _quiet_class(HeadersFrame)
+_DATA_FLAG_NAMES = {flag.name for flag in DataFrame.defined_flags}  # (shared by every frame: only read)
+_HEADERS_FLAG_NAMES = {flag.name for flag in HeadersFrame.defined_flags}
+
+
+def _flags(valid: set[str], names: set[str]) -> Flags:
+    flags: Flags = Flags.__new__(Flags)
+    flags._valid_flags = valid  # (only read: which names add() accepts)
+    flags._flags = names
+    return flags
+
+
+def _plain_frame(kind: int, bits: int, stream_id: int, body: bytes) -> Frame:
+    """What hyperframe's parse builds for a DATA frame without padding or a HEADERS frame without padding or
+    priority (`kind`, flag `bits`, a non-zero stream id)."""
+    frame: Any
+    if kind == _DATA:
+        frame = _QUIET_DATA.__new__(_QUIET_DATA)
+        frame.flags = _flags(_DATA_FLAG_NAMES, {"END_STREAM"} if bits & _END_STREAM else set())
+    else:
+        frame = _QUIET_HEADERS.__new__(_QUIET_HEADERS)
+        names = {"END_HEADERS"} if bits & _END_HEADERS else set()
+        if bits & _END_STREAM:
+            names.add("END_STREAM")
+        frame.flags = _flags(_HEADERS_FLAG_NAMES, names)
+        frame.depends_on, frame.stream_weight, frame.exclusive = 0, 0, False
+    frame.stream_id = stream_id
+    frame.body_len = len(body)
+    frame.pad_length = 0
+    frame.data = body
+    built: Frame = frame
+    return built
+
+
 class _QuietFrameBuffer(FrameBuffer):
     def __next__(self) -> Frame:
+        data = self._data
+        if len(data) >= 9 and not self._headers_buffer:
+            high, low, kind, bits, stream_id = _FRAME_HEADER.unpack_from(data)
+            length = (high << 16) | low
+            stream_id &= 0x7FFFFFFF
+            plain = ((kind == _DATA and not bits & _PADDED)
+                     or (kind == _HEADERS and bits & (_END_HEADERS | _PADDED | _PRIORITY) == _END_HEADERS))
+            if plain and stream_id and len(data) >= 9 + length:
+                self._validate_frame_length(length)
+                frame = _plain_frame(kind, bits, stream_id, bytes(data[9:9 + length]))
+                del data[:9 + length]
+                return frame
         frame = super().__next__()
         quiet = _QUIET_FRAMES.get(type(frame))
         if quiet is not None:
