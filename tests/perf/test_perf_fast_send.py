@@ -23,18 +23,24 @@ TIMEOUT = 30.0
 SIZES = [1, 3, 1, 9000, 2, *([500] * 400), 1]
 
 
+def _response(i: int, size: int) -> generate_pb2.GenerateResponse:
+    response = generate_pb2.GenerateResponse(request_id=f"m{i}")
+    response.completions.add(index=0).token_ids.extend([i % 1000] * size)
+    return response
+
+
 class _StreamingService:
     def __init__(self) -> None:
         self.fast_paths: list[tuple[bool, bool, bool]] = []  # (messages, headers, trailers)
+        self.connection: Any = None  # grpclib's server-side Connection
 
     async def generate(self, stream: Any) -> None:
         await stream.recv_message()
+        self.connection = stream._stream.connection
         sender = FastSender(stream)
         await sender.send_initial_metadata()
         for i, size in enumerate(SIZES):
-            response = generate_pb2.GenerateResponse(request_id=f"m{i}")
-            response.completions.add(index=0).token_ids.extend([i % 1000] * size)
-            await sender.send(response)
+            await sender.send(_response(i, size))
         self.fast_paths.append((sender._ok, sender._headers_ok, sender.try_send_ok_trailers()))
 
     def __mapping__(self) -> dict[str, Handler]:
@@ -81,6 +87,15 @@ async def test_fast_send_matches_the_protocol(listener: Any) -> None:
                 assert [r.request_id for r in received] == [f"m{i}" for i in range(len(SIZES))]
                 assert [len(r.completions[0].token_ids) for r in received] == SIZES
                 assert all(set(r.completions[0].token_ids) == {i % 1000} for i, r in enumerate(received))
+        # grpclib's per-connection books (and the guard's, through data_send_process) are kept either way
+        # (the fast path keeps them once per loop tick): three calls' messages and bytes (prefix included).
+        sizes = [5 + len(_response(i, size).SerializeToString()) for i, size in enumerate(SIZES)]
+        connection = service.connection
+        assert (connection.messages_sent, connection.data_sent) == (3 * len(SIZES), 3 * sum(sizes))
+        assert connection.last_data_sent is not None
+        guard = connection._transport.get_protocol()  # api/security/h2_guard.py: every frame sent is counted
+        assert guard._num_sends >= 3 * (len(SIZES) + 2)  # DATA frames, and headers + trailers per call
+        assert connection.last_message_sent >= connection.last_data_sent
         fast = listener is None
         expected = (fast or listener is not SendMessage, fast or listener is SendTrailingMetadata,
                     fast or listener is SendInitialMetadata)
