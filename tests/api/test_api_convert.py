@@ -128,7 +128,7 @@ def test_requests_with_the_same_knobs_share_their_sampling_params() -> None:
     first, again = _convert(request(temperature=0.5)).params, _convert(request(temperature=0.5)).params
     assert again is first  # frozen, so one object serves both
     other = _convert(request(temperature=0.25)).params
-    assert other.temperature == 0.25 and first.temperature == 0.5
+    assert (other.temperature, first.temperature) == (0.25, 0.5)
     assert _convert(request(temperature=0.5, top_k=3)).params.top_k == 3
     unset = _convert(request()).params
     assert unset.temperature == 1.0  # unset is not the same as any explicit value
