@@ -25,6 +25,7 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
+from engine_server.api.fast_send import FastSender
 from engine_server.api.in_flight import InFlight
 from engine_server.frontend.outputs import EngineState
 
@@ -162,6 +163,9 @@ class VllmEngineServicer(VllmEngineBase):
             )
             metrics = self._metrics
             timer = metrics.request_timer() if metrics is not None else None
+            # NOTE: messages as hand-built DATA frames, the bytes grpclib's send_message would write
+            # (api/fast_send.py; the first one, with the response headers, goes through grpclib).
+            sender = FastSender(stream)
             # NOTE: aclosing: a cancelled handler (RST_STREAM) or a failed send aborts the engine request.
             async with aclosing(engine.generate(generate_request)) as outputs:
                 async for output in outputs:
@@ -173,7 +177,7 @@ class VllmEngineServicer(VllmEngineBase):
                     if timer is not None:
                         timer.on_output(sum(len(chunk.token_ids) for chunk in output.chunks))
                     for message in messages:
-                        await stream.send_message(message)
+                        await sender.send(message)
             if timer is not None and metrics is not None:
                 metrics.on_request_done(timer, num_prompt_tokens=len(generate_request.prompt_token_ids),
                                         num_completion_tokens=builder.num_completion_tokens)
