@@ -178,6 +178,7 @@ class VllmEngineServicer(VllmEngineBase):
                         timer.on_output(sum(len(chunk.token_ids) for chunk in output.chunks))
                     for message in messages:
                         await sender.send(message)
+            sender.try_send_ok_trailers()  # one constant block; else grpclib sends them on return
             if timer is not None and metrics is not None:
                 metrics.on_request_done(timer, num_prompt_tokens=len(generate_request.prompt_token_ids),
                                         num_completion_tokens=builder.num_completion_tokens)
