@@ -27,13 +27,12 @@ from grpclib.events import SendInitialMetadata, SendMessage, SendTrailingMetadat
 from h2.connection import ConnectionInputs, ConnectionState
 from h2.stream import StreamInputs, StreamState
 
-_FRAME = struct.Struct(">BHBBL")  # 24-bit length (as 8 + 16 bits), type, flags, stream id
-_PREFIX = struct.Struct(">BL")  # gRPC: compressed flag, message length
+from engine_server.api.h2_streams import DATA, END_HEADERS, END_STREAM, FRAME_HEADER, HEADERS
+from engine_server.api.security.limits import MESSAGE_PREFIX
+
 _DATA_HEADER = struct.Struct(">BHBBLBL")  # a DATA frame's header, then the gRPC prefix
 _MIN_MAX_FRAME_SIZE = 16384  # SETTINGS_MAX_FRAME_SIZE can only be raised from this (RFC 9113 6.5.2)
-_DATA, _HEADERS = 0x0, 0x1
 _HALF_CLOSED_REMOTE = StreamState.HALF_CLOSED_REMOTE  # (an enum member: a module global reads faster)
-_END_STREAM, _END_HEADERS = 0x1, 0x4
 
 
 def _hpack_string(value: bytes) -> bytes:
@@ -135,28 +134,20 @@ class FastSender:
 
     def try_send_serialized(self, payload: bytes) -> bool:
         """`try_send` for a message already serialized."""
-        # NOTE: one call per streamed message (~30 per request at 256 streams): every check inlined
         stream = self._stream
-        h2_stream = self._h2_stream
-        if (h2_stream is None or not stream._send_initial_metadata_done
-                or h2_stream.state_machine.state is not _HALF_CLOSED_REMOTE
-                or not self._write_ready.is_set()):
+        if not stream._send_initial_metadata_done:
             return False
-        size = len(payload) + _PREFIX.size
+        size = len(payload) + MESSAGE_PREFIX.size
         h2 = self._h2
-        if ((size > _MIN_MAX_FRAME_SIZE and size > h2.max_outbound_frame_size)
+        h2_stream = self._writable_h2_stream()
+        if (h2_stream is None or (size > _MIN_MAX_FRAME_SIZE and size > h2.max_outbound_frame_size)
                 or size > h2_stream.outbound_flow_control_window or size > h2.outbound_flow_control_window):
-            return False
-        transport = self._transport
-        if transport.is_closing():
             return False
         h2_stream.outbound_flow_control_window -= size
         h2.outbound_flow_control_window -= size
         proto_stream = self._proto_stream
-        header = _DATA_HEADER.pack(size >> 16, size & 0xFFFF, _DATA, 0, proto_stream.id, 0, len(payload))
-        if h2._data_to_send:  # NOTE: frames h2 queued must go first, to keep the order
-            transport.write(h2.data_to_send())
-        transport.write(header + payload)
+        self._write(_DATA_HEADER.pack(size >> 16, size & 0xFFFF, DATA, 0, proto_stream.id, 0, len(payload))
+                    + payload)
         proto_stream.data_sent += size
         stream._send_message_done = True
         stream._messages_sent += 1
@@ -195,12 +186,13 @@ class FastSender:
             return False
         h2.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
         h2_stream.state_machine.process_input(StreamInputs.SEND_HEADERS)
-        flags = _END_HEADERS
+        flags = END_HEADERS
         if end_stream:
             h2_stream.state_machine.process_input(StreamInputs.SEND_END_STREAM)
-            flags |= _END_STREAM
+            flags |= END_STREAM
         size = len(block)
-        self._write(_FRAME.pack(size >> 16, size & 0xFFFF, _HEADERS, flags, self._proto_stream.id) + block)
+        header = FRAME_HEADER.pack(size >> 16, size & 0xFFFF, HEADERS, flags, self._proto_stream.id)
+        self._write(header + block)
         self._connection.headers_send_process()
         return True
 

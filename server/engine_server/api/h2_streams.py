@@ -138,9 +138,11 @@ def _quiet_class(frame_class: type[Frame]) -> type[Frame]:
     return quiet
 
 
-_FRAME_HEADER = struct.Struct(">BHBBL")  # 24-bit length (as 8 + 16 bits), type, flags, stream id
-_DATA, _HEADERS = 0x0, 0x1
-_END_STREAM, _END_HEADERS, _PADDED, _PRIORITY = 0x1, 0x4, 0x8, 0x20
+# HTTP/2 frame layout (RFC 9113 4.1): what the buffer below parses and api/fast_send.py writes
+FRAME_HEADER = struct.Struct(">BHBBL")  # 24-bit length (as 8 + 16 bits), type, flags, stream id
+DATA, HEADERS = 0x0, 0x1
+END_STREAM, END_HEADERS = 0x1, 0x4
+_PADDED, _PRIORITY = 0x8, 0x20
 _QUIET_DATA, _QUIET_HEADERS = _quiet_class(DataFrame), _quiet_class(HeadersFrame)
 _DATA_FLAG_NAMES = {flag.name for flag in DataFrame.defined_flags}  # (shared by every frame: only read)
 _HEADERS_FLAG_NAMES = {flag.name for flag in HeadersFrame.defined_flags}
@@ -157,13 +159,13 @@ def _plain_frame(kind: int, bits: int, stream_id: int, body: bytes) -> Frame:
     """What hyperframe's parse builds for a DATA frame without padding or a HEADERS frame without padding or
     priority (`kind`, flag `bits`, a non-zero stream id)."""
     frame: Any
-    if kind == _DATA:
+    if kind == DATA:
         frame = _QUIET_DATA.__new__(_QUIET_DATA)
-        frame.flags = _flags(_DATA_FLAG_NAMES, {"END_STREAM"} if bits & _END_STREAM else set())
+        frame.flags = _flags(_DATA_FLAG_NAMES, {"END_STREAM"} if bits & END_STREAM else set())
     else:
         frame = _QUIET_HEADERS.__new__(_QUIET_HEADERS)
-        names = {"END_HEADERS"} if bits & _END_HEADERS else set()
-        if bits & _END_STREAM:
+        names = {"END_HEADERS"} if bits & END_HEADERS else set()
+        if bits & END_STREAM:
             names.add("END_STREAM")
         frame.flags = _flags(_HEADERS_FLAG_NAMES, names)
         frame.depends_on, frame.stream_weight, frame.exclusive = 0, 0, False
@@ -179,11 +181,11 @@ class _QuietFrameBuffer(FrameBuffer):
     def __next__(self) -> Frame:
         data = self._data
         if len(data) >= 9 and not self._headers_buffer:
-            high, low, kind, bits, stream_id = _FRAME_HEADER.unpack_from(data)
+            high, low, kind, bits, stream_id = FRAME_HEADER.unpack_from(data)
             length = (high << 16) | low
             stream_id &= 0x7FFFFFFF
-            plain = ((kind == _DATA and not bits & _PADDED)
-                     or (kind == _HEADERS and bits & (_END_HEADERS | _PADDED | _PRIORITY) == _END_HEADERS))
+            plain = ((kind == DATA and not bits & _PADDED)
+                     or (kind == HEADERS and bits & (END_HEADERS | _PADDED | _PRIORITY) == END_HEADERS))
             if plain and stream_id and len(data) >= 9 + length:
                 self._validate_frame_length(length)
                 frame = _plain_frame(kind, bits, stream_id, bytes(data[9:9 + length]))
