@@ -25,9 +25,11 @@ def tokenizer_dir(tmp_path: Path) -> Path:
     return directory
 
 
-@pytest.fixture
-def engine(tokenizer_dir: Path) -> FakeEngine:
-    return FakeEngine(tokenizer_dir)
+@pytest.fixture(params=[False, True], ids=["pull", "push"])
+def engine(tokenizer_dir: Path, request: pytest.FixtureRequest) -> FakeEngine:
+    """Every servicer test twice: outputs through the handler's iterator, and offered to its push sink
+    first."""
+    return FakeEngine(tokenizer_dir, push=request.param)
 
 
 @pytest.fixture

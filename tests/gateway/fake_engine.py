@@ -3,12 +3,17 @@
 Completion `index` of a request generates tokens `1000 * index + 100, +101, ...` one per output, with `delay`
 seconds of simulated compute between outputs, until max_tokens (LENGTH); max_tokens=None runs until aborted.
 A prompt starting with FAIL_TOKEN fails with FinishReason.ERROR after its first token.
+
+`push=True`: each request's outputs are produced on a task of their own and offered to the stream's sink
+first, as AsyncEngine's output task offers them (frontend/request_state.py); what the sink declines reaches
+the iterator, in order. `push=False`: the sink is never called (the servicer's pull path).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +22,13 @@ from typing import Any
 
 from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.types import EngineStats, FinishReason, RequestError, TokenLogprob
-from engine_server.frontend.outputs import CompletionChunk, EngineState, GenerateOutput, GenerateRequest
+from engine_server.frontend.outputs import (
+    CompletionChunk,
+    EngineState,
+    GenerateOutput,
+    GenerateRequest,
+    OutputSink,
+)
 
 FAIL_TOKEN = 7
 MAX_MODEL_LEN = 512
@@ -42,8 +53,61 @@ class FakeTokenizer:
         return SimpleNamespace(token_ids=[1, *ids] if add_special_tokens else ids)
 
 
+class FakeOutputs:
+    """One request's outputs as AsyncEngine's RequestStream hands them out, sink included."""
+
+    def __init__(self, outputs: AsyncGenerator[GenerateOutput, None], *, push: bool) -> None:
+        self._outputs = outputs
+        self._sink: OutputSink | None = None
+        self._ready: deque[GenerateOutput] = deque()  # produced, for the iterator
+        self._changed = asyncio.Event()
+        self._is_produced = False
+        self._producer = asyncio.get_running_loop().create_task(self._produce()) if push else None
+        self.num_pushed = 0  # outputs the sink took
+
+    def set_sink(self, sink: OutputSink | None) -> None:
+        self._sink = sink
+
+    def __aiter__(self) -> FakeOutputs:
+        return self
+
+    async def __anext__(self) -> GenerateOutput:
+        if self._producer is None:
+            return await anext(self._outputs)
+        while not self._ready:
+            if self._is_produced:
+                raise StopAsyncIteration
+            self._changed.clear()
+            await self._changed.wait()
+        return self._ready.popleft()
+
+    async def _produce(self) -> None:
+        try:
+            async for output in self._outputs:
+                sink = self._sink
+                # NOTE: as RequestState.wake: nothing is offered while a declined output waits for
+                # the consumer
+                if sink is not None and not self._ready and sink(output):
+                    self.num_pushed += 1
+                else:
+                    self._ready.append(output)
+                self._changed.set()
+        finally:
+            self._is_produced = True
+            self._changed.set()
+
+    async def aclose(self) -> None:
+        producer = self._producer
+        if producer is None:
+            await self._outputs.aclose()
+            return
+        if not producer.done():  # NOTE: a finished stream closes without yielding, as RequestStream does
+            producer.cancel()  # an unfinished request is cancelled inside `_run`, which records it
+            await asyncio.wait([producer])
+
+
 class FakeEngine:
-    def __init__(self, tokenizer_dir: Path, *, delay: float = 0.0) -> None:
+    def __init__(self, tokenizer_dir: Path, *, delay: float = 0.0, push: bool = False) -> None:
         self.model_info = ModelInfo(
             model_path=str(tokenizer_dir), architecture="FakeForCausalLM", task="generate",
             max_model_len=MAX_MODEL_LEN, vocab_size=5000, bos_token_id=1, eos_token_ids=(2,),
@@ -54,6 +118,8 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.state = EngineState.SERVING
         self.delay = delay
+        self.push = push
+        self.streams: list[FakeOutputs] = []
         self.requests: dict[str, _Request] = {}
         self.received: list[GenerateRequest] = []
         self.cancelled: list[str] = []  # requests whose consumer went away (closed the stream unfinished)
@@ -70,7 +136,7 @@ class FakeEngine:
         return EngineStats(num_running=self.num_running, num_waiting=self.num_waiting, num_free_blocks=48,
                            num_total_blocks=64)
 
-    def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
+    def generate(self, request: GenerateRequest) -> FakeOutputs:
         if self.state is not EngineState.SERVING:
             from engine_server.engine.types import EngineDead
 
@@ -80,7 +146,9 @@ class FakeEngine:
         state = _Request(request)
         self.requests[request.request_id] = state
         self.received.append(request)
-        return self._run(state)
+        stream = FakeOutputs(self._run(state), push=self.push)
+        self.streams.append(stream)
+        return stream
 
     async def _run(self, state: _Request) -> AsyncGenerator[GenerateOutput, None]:
         request = state.request

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from engine_server.engine.types import EngineStats
-from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest
+from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest, OutputSink
 
 if TYPE_CHECKING:
     from engine_server.engine.model_info import ModelInfo
@@ -18,6 +18,10 @@ class OutputStream(Protocol):
     def __aiter__(self) -> AsyncIterator[GenerateOutput]: ...
 
     async def aclose(self) -> None: ...
+
+    def set_sink(self, sink: OutputSink | None) -> None:
+        """Offer each output to `sink` before waking the consumer; what it declines (False) is yielded, in
+        order (None: stop offering). A stream may never call it."""
 
 
 class EncodingLike(Protocol):

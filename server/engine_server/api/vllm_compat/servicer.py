@@ -31,6 +31,7 @@ from engine_server.frontend.outputs import EngineState
 
 from .engine_handle import EngineHandle
 from .errors import grpc_status
+from .output_writer import OutputWriter
 from .requests import engine_request_id, generate_request_from_proto
 from .responses import EngineRequestFailed, ResponseBuilder
 from .service import RpcStream, VllmEngineBase
@@ -164,21 +165,32 @@ class VllmEngineServicer(VllmEngineBase):
             metrics = self._metrics
             timer = metrics.request_timer() if metrics is not None else None
             # NOTE: messages as hand-built DATA frames, the bytes grpclib's send_message would write
-            # (api/fast_send.py; the first one, with the response headers, goes through grpclib).
+            # (api/fast_send.py); grpclib's path for anything unusual.
             sender = FastSender(stream)
+            writer = OutputWriter(builder, sender, timer)
             # NOTE: aclosing: a cancelled handler (RST_STREAM) or a failed send aborts the engine request.
             async with aclosing(engine.generate(generate_request)) as outputs:
-                async for output in outputs:
-                    try:
-                        messages = builder.on_output(output)
-                    except EngineRequestFailed as exc:
-                        logger.error("request %r failed in the engine: %s", request.request_id, exc)
-                        raise GRPCError(Status.INTERNAL, "the engine failed running the request") from exc
-                    if timer is not None:
-                        timer.on_output(sum(len(chunk.token_ids) for chunk in output.chunks))
-                    for message in messages:
-                        await sender.send(message)
-            sender.try_send_ok_trailers()  # one constant block; else grpclib sends them on return
+                if request.stream:
+                    # The headers now, so that every message can leave from the push sink: the engine's output
+                    # task writes it in place without waking this task (as engine.v1's streamed Generate).
+                    # stream=false keeps them for its one response; push then only takes the outputs that
+                    # produce no message.
+                    await sender.send_initial_metadata()
+                outputs.set_sink(writer.push)
+                try:
+                    async for output in outputs:  # what push declined, in order
+                        try:
+                            messages = writer.take(output)
+                        except EngineRequestFailed as exc:
+                            logger.error("request %r failed in the engine: %s", request.request_id, exc)
+                            raise GRPCError(Status.INTERNAL, "the engine failed running the request") from exc
+                        writer.is_sending = True
+                        for message in messages:
+                            await sender.send(message)
+                        writer.is_sending = False
+                finally:
+                    outputs.set_sink(None)
+            sender.try_send_ok_trailers()  # unless push did; else grpclib sends them on return
             if timer is not None and metrics is not None:
                 metrics.on_request_done(timer, num_prompt_tokens=len(generate_request.prompt_token_ids),
                                         num_completion_tokens=builder.num_completion_tokens)
