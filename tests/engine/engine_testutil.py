@@ -70,13 +70,19 @@ def reference_greedy(model: Any, prompts: list[list[int]], max_tokens: list[int]
     return out
 
 
-KERNEL_VARIANTS = ("native", "portable")
+KERNEL_VARIANTS = ("native", "no-avx512", "portable")
+# variant -> (module name, extra compiler flags): the code CPUs without AVX-512 run (AVX2 where the CPU has it),
+# and the portable C++ of CPUs without AVX2
+_VARIANT_BUILDS = {
+    "no-avx512": ("engine_cpu_kernels_no_avx512", ("-mno-avx512f",)),
+    "portable": ("engine_cpu_kernels_portable", ("-mno-avx512f", "-mno-avx2")),
+}
 
 
 @functools.cache
 def cpu_kernel_variant(variant: str) -> Any:
-    """The engine's CPU kernels as the engine builds them ("native": AVX-512 where the CPU has it), or
-    built with -mno-avx512f ("portable": the code CPUs without AVX-512 run), so both get checked here."""
+    """The engine's CPU kernels as the engine builds them ("native": AVX-512 or AVX2 where the CPU has it),
+    or built for a lesser CPU (_VARIANT_BUILDS), so every implementation this CPU can run gets checked."""
     import os
 
     import pytest
@@ -84,11 +90,16 @@ def cpu_kernel_variant(variant: str) -> Any:
 
     if os.environ.get(cpu_kernels.DISABLE_ENV) == "0":
         pytest.skip(f"{cpu_kernels.DISABLE_ENV}=0: the kernels are switched off")
-    kernels = (cpu_kernels.load() if variant == "native"
-               else cpu_kernels._load("engine_cpu_kernels_portable", ("-mno-avx512f",)))
+    kernels = cpu_kernels.load() if variant == "native" else cpu_kernels._load(*_VARIANT_BUILDS[variant])
     assert kernels is not None, "the engine's CPU kernels did not build (see the log for why)"
+    flags = f"{open('/proc/cpuinfo').read()} ".replace("\n", " ")  # noqa: SIM115
+    has_avx2 = all(f" {flag} " in flags for flag in ("avx2", "fma", "f16c"))
     if variant == "portable":
         assert kernels.isa() == "portable"
-    elif " avx512f " in f"{open('/proc/cpuinfo').read()} ":  # noqa: SIM115
+    elif variant == "no-avx512":
+        assert kernels.isa() == ("avx2" if has_avx2 else "portable")
+    elif " avx512f " in flags:
         assert kernels.isa() == "avx512"
+    elif has_avx2:
+        assert kernels.isa() == "avx2"
     return kernels

@@ -67,6 +67,8 @@ CASES = [
     (1, 8, 64, 0, 0.0),
     (3, 1, 80, 0, 0.0),  # 80 = 5 x 16: no tail; 40 below has a masked tail
     (2, 2, 40, 0, 0.0),
+    (2, 2, 20, 0, 0.0),  # 20: a tail in 8-lane (AVX2) chunks too
+    (2, 2, 16, 7, 0.0),  # the tiny model's head size, a window that is not a multiple of 8
     (2, 3, 64, 20, 0.0),
     (2, 2, 64, 0, 30.0),
 ]

@@ -10,10 +10,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &engine_kernels::rms_norm, "Llama-style RMSNorm over the last dim (CPU)");
   m.def("silu_and_mul", &engine_kernels::silu_and_mul, "T(silu(gate)) * up (CPU)");
   m.def("isa", [] {
-#ifdef ENGINE_AVX512
+#if defined(ENGINE_AVX512)
     return "avx512";
+#elif defined(ENGINE_AVX2)
+    return "avx2";
 #else
     return "portable";
 #endif
-  }, "which implementation this build compiled: avx512 or portable");
+  }, "which implementation this build compiled: avx512, avx2 or portable");
 }

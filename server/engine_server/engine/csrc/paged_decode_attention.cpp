@@ -149,8 +149,98 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
   for (int64_t i = 0; i < heads; ++i)
     for (int64_t e = 0; e < d; ++e) op[i * d + e] = static_cast<T>(w.acc[i * dp + e]);
 }
+#elif defined(ENGINE_AVX2)
+// The same three passes in 8-lane vectors, 8 positions at a time. Scores are kept in whole 8-lane chunks
+// (stride `sp`); the padding positions of the last chunk score -inf, so softmax gives them weight 0.
+template <typename T>
+void attend(const Args<T>& a, int64_t s, Scratch& w) {
+  const int64_t len = a.lens[s], start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+  const int64_t span = len - start, g = a.group, d = a.d, heads = a.kv_heads * g;
+  const int64_t dp = (d + 7) / 8 * 8, sp = (span + 7) / 8 * 8;
+  const int64_t* table = a.tables + s * a.max_blocks;
+  w.scores.resize(heads * sp);
+  const T* qp = a.q + s * heads * d;
+  for (int64_t i = 0; i < heads; ++i)
+    for (int64_t e = 0; e < d; ++e) w.q[i * dp + e] = static_cast<float>(qp[i * d + e]) * a.scale;
+  // 1) scores: each query head takes 8 dot products against 8 key rows, summed across lanes together
+  const T* rows[8];
+  int64_t num_rows = 0, first_pos = start;
+  const auto score_rows = [&] {
+    for (int64_t p = num_rows; p < 8; ++p) rows[p] = rows[0];  // padding lanes: computed, then masked
+    for (int64_t h = 0; h < a.kv_heads; ++h) {
+      for (int64_t j = 0; j < g; ++j) {
+        const float* qj = w.q.data() + (h * g + j) * dp;
+        __m256 acc[8];
+        for (int64_t p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
+        for (int64_t e = 0; e < d; e += 8) {
+          const __m256 qv = _mm256_loadu_ps(qj + e);
+          for (int64_t p = 0; p < 8; ++p) acc[p] = _mm256_fmadd_ps(qv, load8(rows[p] + h * d + e, d - e), acc[p]);
+        }
+        _mm256_storeu_ps(w.scores.data() + (h * g + j) * sp + first_pos - start, sum8(acc));
+      }
+    }
+    first_pos += num_rows;
+    num_rows = 0;
+  };
+  for_each_row(a.k_cache, a, table, start, len, 0, [&](int64_t, const T* row) {
+    rows[num_rows++] = row;
+    if (num_rows == 8) score_rows();
+  });
+  if (num_rows > 0) score_rows();
+  for (int64_t i = 0; i < heads; ++i) {
+    float* si = w.scores.data() + i * sp;
+    if (a.softcap > 0) {
+      for (int64_t k = 0; k < span; ++k) si[k] = std::tanh(si[k] / a.softcap) * a.softcap;
+    }
+    for (int64_t k = span; k < sp; ++k) si[k] = -std::numeric_limits<float>::infinity();
+  }
+  // 2) softmax per query head
+  for (int64_t i = 0; i < heads; ++i) {
+    float* si = w.scores.data() + i * sp;
+    __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t k = 0; k < sp; k += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(si + k));
+    const __m256 shift = _mm256_set1_ps(reduce_max8(top));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t k = 0; k < sp; k += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(si + k), shift));
+      _mm256_storeu_ps(si + k, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / reduce_add8(sum));
+    for (int64_t k = 0; k < sp; k += 8) _mm256_storeu_ps(si + k, _mm256_mul_ps(_mm256_loadu_ps(si + k), inv));
+  }
+  // 3) probability-weighted values, 8 positions at a time, summed in registers (four chains)
+  std::fill(w.acc.begin(), w.acc.begin() + heads * dp, 0.f);
+  const auto weigh_rows = [&] {
+    for (int64_t p = num_rows; p < 8; ++p) rows[p] = rows[0];  // padding lanes: weight 0
+    for (int64_t h = 0; h < a.kv_heads; ++h) {
+      for (int64_t j = 0; j < g; ++j) {
+        const float* sj = w.scores.data() + (h * g + j) * sp + first_pos - start;
+        for (int64_t e = 0; e < d; e += 8) {
+          __m256 part[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+          for (int64_t p = 0; p < 8; ++p)
+            part[p % 4] = _mm256_fmadd_ps(_mm256_set1_ps(sj[p]), load8(rows[p] + h * d + e, d - e), part[p % 4]);
+          float* out = w.acc.data() + (h * g + j) * dp + e;
+          const __m256 sum = _mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3]));
+          _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), sum));
+        }
+      }
+    }
+    first_pos += num_rows;
+    num_rows = 0;
+  };
+  first_pos = start;
+  for_each_row(a.v_cache, a, table, start, len, 0, [&](int64_t, const T* row) {
+    rows[num_rows++] = row;
+    if (num_rows == 8) weigh_rows();
+  });
+  if (num_rows > 0) weigh_rows();
+  T* op = a.out + s * heads * d;
+  for (int64_t i = 0; i < heads; ++i)
+    for (int64_t e = 0; e < d; ++e) op[i * d + e] = static_cast<T>(w.acc[i * dp + e]);
+}
 #else
-// Portable version of the same three passes (CPUs without AVX-512).
+// Portable version of the same three passes (CPUs without AVX2).
 template <typename T>
 void attend(const Args<T>& a, int64_t s, Scratch& w) {
   const int64_t len = a.lens[s], start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;

@@ -1,15 +1,21 @@
-// Helpers shared by the engine's CPU kernels: dtype dispatch, and SIMD (AVX-512 when the build machine has it).
+// Helpers shared by the engine's CPU kernels: dtype dispatch, and SIMD (AVX-512 when the build machine has it,
+// else AVX2 with FMA and F16C).
 #pragma once
 
 #include <ATen/Dispatch.h>
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define ENGINE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// CPUs with AVX2 but not AVX-512 (AMD before Zen 4, Intel client cores, many cloud VMs): 8 float lanes
+#include <immintrin.h>
+#define ENGINE_AVX2 1
 #endif
 
 // The dtypes a model runs in (float32, bfloat16, float16), with scalar_t bound in the body as AT_DISPATCH_*
@@ -87,5 +93,61 @@ inline __m512 exp16(__m512 y) {
   return _mm512_scalef_ps(p, n);
 }
 #endif  // ENGINE_AVX512
+
+#ifdef ENGINE_AVX2
+// 8 lanes of float from T; `left` < 8: only that many are read (a row's tail), the other lanes are 0
+inline __m256 load8(const float* p, int64_t left) {
+  if (left >= 8) return _mm256_loadu_ps(p);
+  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_maskload_ps(p, m);
+}
+// 16-bit rows: 8 values as 128 bits; a tail goes through a zeroed copy (AVX2 has no 16-bit masked load)
+template <typename T>
+inline __m128i load8_bits(const T* p, int64_t left) {
+  if (left >= 8) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  alignas(16) uint16_t tmp[8] = {};
+  std::memcpy(tmp, p, static_cast<size_t>(left) * sizeof(uint16_t));
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+}
+inline __m256 load8(const c10::BFloat16* p, int64_t left) {  // bfloat16 = the top half of a float32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load8_bits(p, left)), 16));
+}
+inline __m256 load8(const c10::Half* p, int64_t left) { return _mm256_cvtph_ps(load8_bits(p, left)); }
+
+// lane i = the sum of the 8 lanes of v[i] (three rounds of pairwise adds, then the 128-bit halves)
+inline __m256 sum8(const __m256 v[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // a = [sums of v0..v3 over lanes 0-3 | over lanes 4-7], b likewise for v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+inline float reduce_add8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline float reduce_max8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// exp(y) as exp16 computes it (same range reduction and polynomial); 2^n is built in the exponent bits:
+// n is within [-127, 127] after the clamp, and n = -127 (biased exponent 0) gives 0, exp's value to float
+// precision there.
+inline __m256 exp8(__m256 y) {
+  y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-88.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(y, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), y);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif  // ENGINE_AVX2
 
 }  // namespace engine_kernels
