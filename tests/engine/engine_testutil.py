@@ -72,8 +72,7 @@ def reference_greedy(model: Any, prompts: list[list[int]], max_tokens: list[int]
 
 KERNEL_VARIANTS = ("native", "no-avx512", "portable")
 # variant -> (module name, extra compiler flags): the code CPUs without AVX-512 run (AVX2 where the CPU has
-# it),
-# and the portable C++ of CPUs without AVX2
+# it), and the portable C++ of CPUs without AVX2
 _VARIANT_BUILDS = {
     "no-avx512": ("engine_cpu_kernels_no_avx512", ("-mno-avx512f",)),
     "portable": ("engine_cpu_kernels_portable", ("-mno-avx512f", "-mno-avx2")),
