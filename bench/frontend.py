@@ -12,6 +12,8 @@ process tree. The in-process baseline has no load generator: its client work is 
 
 Usage: bench/frontend.py [--quick] [--engines sim,sim5,tiny] [--servers grpc,grpc2,sse,inproc] [--step-ms 1]
                          [--concurrency 1,16,64,256] [--rounds 2] [--markdown BENCHMARKS.md]
+       A model of your own (on a GPU, say): --engines model --model DIR --device cuda --server-cores 0,1
+       --client-core 2 --section gpu (the engine core then has a core of its own, as in vLLM's setup).
 """
 
 from __future__ import annotations
@@ -37,9 +39,7 @@ sys.path.insert(0, str(BENCH))
 from frontend_lib import report  # noqa: E402
 from frontend_lib.procstat import descendants, tree_cpu_seconds  # noqa: E402
 
-SERVER_CORE, CLIENT_CORE = 0, 1
 READY_TIMEOUT_S = 300.0
-MARK_START, MARK_END = "<!-- frontend_bench:start -->", "<!-- frontend_bench:end -->"
 
 
 def _env() -> dict[str, str]:
@@ -49,9 +49,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _pinned(core: int) -> Any:
+def _pinned(cores: set[int]) -> Any:
     def preexec() -> None:
-        os.sched_setaffinity(0, {core})
+        os.sched_setaffinity(0, cores)
         try:
             import ctypes
 
@@ -63,7 +63,7 @@ def _pinned(core: int) -> Any:
 
 
 class Server:
-    """A server process tree pinned to SERVER_CORE; `port` once ready."""
+    """A server process tree pinned to the server cores; `port` once ready."""
 
     def __init__(self, kind: str, engine: str, args: argparse.Namespace, workdir: Path) -> None:
         self.kind = kind
@@ -71,11 +71,16 @@ class Server:
         step_ms = report.sim_step_ms(engine, args.step_ms)
         sim = ["--simulated-engine", str(step_ms)] if step_ms is not None else []
         common = ["--max-num-seqs", "256"]
+        if engine == "model":
+            common += ["--model", args.model, "--device", args.device,
+                       "--kv-cache-memory", args.kv_cache_memory]
         ready = workdir / f"{kind}-{engine}.ready"
         self.ready = ready
         if kind.startswith("grpc"):  # "grpc", "grpc-ids" (the same server), or "grpcN": --api-workers N
             workers = int(kind[4:] or "1") if kind != "grpc-ids" else 1
-            cmd = [str(Path(py).parent / "engine-server"), "--port", "0", "--ready-file", str(ready),
+            script = Path(py).parent / "engine-server"
+            launcher = [str(script)] if script.exists() else [py, "-m", "engine_server"]
+            cmd = [*launcher, "--port", "0", "--ready-file", str(ready),
                    "--log-level", "warning", "--api-workers", str(workers), *sim, *common]
         elif kind == "sse":
             cmd = [py, str(BENCH / "sse_server.py"), "--port", "0", "--ready-file", str(ready), *sim, *common]
@@ -85,7 +90,7 @@ class Server:
         self.command = cmd
         self.log = (workdir / f"{kind}-{engine}.log").open("wb")
         self.process = subprocess.Popen(
-            cmd, env=_env(), cwd=ROOT, preexec_fn=_pinned(SERVER_CORE), stderr=self.log,
+            cmd, env=_env(), cwd=ROOT, preexec_fn=_pinned(args.server_cores), stderr=self.log,
             stdin=subprocess.PIPE if kind == "inproc" else subprocess.DEVNULL,
             stdout=subprocess.PIPE if kind == "inproc" else self.log,
         )
@@ -127,8 +132,8 @@ class Server:
                "--tag", f"c{concurrency}-{time.time_ns()}"]
         if self.kind == "grpc-ids":
             cmd.append("--ids-only")
-        done = subprocess.run(cmd, env=_env(), cwd=ROOT, preexec_fn=_pinned(CLIENT_CORE), capture_output=True,
-                              timeout=1800, check=False)
+        done = subprocess.run(cmd, env=_env(), cwd=ROOT, preexec_fn=_pinned({args.client_core}),
+                              capture_output=True, timeout=1800, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"load generator failed: {done.stderr.decode()[-2000:]}")
         result = json.loads(done.stdout)
@@ -201,6 +206,22 @@ def run_all(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _gpu_note(args: argparse.Namespace) -> str:
+    if "model" not in args.engines or not args.device.startswith("cuda"):
+        return ""
+    try:
+        query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
+        gpu = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        gpu = "unknown GPU"
+    return (f" Model engine: {args.model} on {args.device} ({gpu}), KV cache {args.kv_cache_memory}; "
+            "its engine core process drives the GPU from one of the server cores.")
+
+
+def _cores(cores: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cores))
+
+
 def render(rows: list[dict[str, Any]], args: argparse.Namespace, plots: dict[str, Path]) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     cpu = platform.processor() or platform.machine()
@@ -218,13 +239,13 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, plots: dict[str
         f"Command: `.venv/bin/python {command}`. Machine load average (1 min) at the start and end of the "
         f"run: {args.load_before:.1f} / {os.getloadavg()[0]:.1f} (the machine is shared: other processes "
         "compete for both cores, which is why CPU time per token is reported next to throughput).",
-        f"Server side (frontend + engine core process) pinned to core {SERVER_CORE}; load generator in its "
-        f"own process pinned to core {CLIENT_CORE}. Every request: {args.prompt}-token prompt, {args.output} "
-        f"generated tokens (greedy, ignore_eos), closed loop (each stream sends its next request when the "
-        "previous one ends). Simulated engine: a fixed time per step (in its label), one token per running "
-        "sequence. "
+        f"Server side (frontend + engine core process) pinned to core(s) {_cores(args.server_cores)}; "
+        f"load generator in its own process pinned to core {args.client_core}. Every request: "
+        f"{args.prompt}-token prompt, {args.output} generated tokens (greedy, ignore_eos), closed loop (each "
+        "stream sends its next request when the previous one ends). Simulated engine: a fixed time per step "
+        "(in its label), one token per running sequence. "
         "Server CPU = utime+stime of the server's whole process tree (/proc/PID/stat) per generated token; "
-        "for the in-process row it includes the client's own work.",
+        "for the in-process row it includes the client's own work." + _gpu_note(args),
         f"### Targets at {top} streams", report.targets(rows, concurrency=top, step_ms=args.step_ms),
     ]
     for engine in args.engines:
@@ -253,13 +274,25 @@ def main() -> None:
     p.add_argument("--markdown", default=None, help="write the section into this file (e.g. BENCHMARKS.md)")
     p.add_argument("--plots", default=str(ROOT / "docs" / "bench"), help="folder for the PNG plots")
     p.add_argument("--json", default=None, help="write the raw rows here")
+    p.add_argument("--model", default=None, help="engine 'model': this model directory")
+    p.add_argument("--device", default="cpu", help="engine 'model': cpu, cuda or cuda:N")
+    p.add_argument("--kv-cache-memory", default="4GiB", help="engine 'model': the KV cache's size")
+    p.add_argument("--server-cores", default="0", help="cores of the server side (frontend + engine core)")
+    p.add_argument("--client-core", type=int, default=1, help="the load generator's core")
+    p.add_argument("--section", default="", help="a BENCHMARKS.md section of its own (e.g. 'gpu')")
     args = p.parse_args()
+    args.server_cores = {int(c) for c in args.server_cores.split(",")}
+    if "model" in args.engines.split(","):
+        if not args.model:
+            p.error("engine 'model' needs --model DIR")
+        report.ENGINE_LABELS["model"] = f"{Path(args.model).name} on {args.device}"
     args.engines = args.engines.split(",")
     args.servers = args.servers.split(",")
     default = "1,16" if args.quick else "1,16,64,256"
     args.concurrency = [int(c) for c in (args.concurrency or default).split(",")]
-    if len(os.sched_getaffinity(0)) < 2:
-        sys.exit("needs 2 cores: one for the server, one for the load generator")
+    cores = {*args.server_cores, args.client_core}
+    if args.client_core in args.server_cores or not cores <= os.sched_getaffinity(0):
+        sys.exit("needs 2 cores: one for the server, one for the load generator (see --server-cores)")
     args.load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="frontend-bench-") as tmp:
         try:
@@ -273,10 +306,13 @@ def main() -> None:
     plots: dict[str, Path] = {}
     if args.markdown:
         for engine in args.engines:
-            plots[engine] = Path(args.plots).resolve() / f"frontend-{engine}.png"
+            suffix = f"-{args.section}" if args.section else ""
+            plots[engine] = Path(args.plots).resolve() / f"frontend-{engine}{suffix}.png"
             report.plot(rows, engine, plots[engine], step_ms=args.step_ms)
-        report.write_section(Path(args.markdown), render(rows, args, plots), start=MARK_START, end=MARK_END,
-                             heading="## Frontend throughput")
+        tag = f"frontend_bench{':' + args.section if args.section else ''}"
+        heading = "## Frontend throughput" + (f" ({args.section})" if args.section else "")
+        report.write_section(Path(args.markdown), render(rows, args, plots), start=f"<!-- {tag}:start -->",
+                             end=f"<!-- {tag}:end -->", heading=heading)
     print(render(rows, args, plots))
 
 

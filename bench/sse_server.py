@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import uvicorn
+from engine_server.cli import parse_size
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.types import EngineDead, EngineOverloaded, RequestError, SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
@@ -80,7 +81,8 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> Starlette:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, num_threads=args.num_threads)
+    config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
+                          device=args.device, kv_cache_memory_bytes=args.kv_cache_memory)
     factory: EngineFactory = default_engine_factory
     if args.simulated_engine is not None:
         from engine_server.engine.simulated import simulated_engine_factory
@@ -109,6 +111,8 @@ async def serve(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-cache-memory", type=parse_size, default=256 * 2**20)
     p.add_argument("--simulated-engine", type=float, default=None, metavar="STEP_MS")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)

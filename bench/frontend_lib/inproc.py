@@ -14,6 +14,7 @@ import json
 import sys
 import time
 
+from engine_server.cli import parse_size
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.types import SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
@@ -38,7 +39,8 @@ def engine_sender(engine: AsyncEngine, *, prompt: int, output: int, tag: str) ->
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs)
+    config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, device=args.device,
+                          kv_cache_memory_bytes=args.kv_cache_memory)
     factory: EngineFactory = default_engine_factory
     if args.simulated_engine is not None:
         from engine_server.engine.simulated import simulated_engine_factory
@@ -65,6 +67,8 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-cache-memory", type=parse_size, default=256 * 2**20)
     p.add_argument("--simulated-engine", type=float, default=None, metavar="STEP_MS")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--prompt", type=int, default=100)

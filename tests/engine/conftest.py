@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 import torch
-from engine_server.engine.config import EngineConfig
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.models.tiny import default_model_dir
+from engine_testutil import DEVICE, engine_config
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,10 +33,10 @@ def ref_model(model_dir: Path) -> Any:
 
     model: Any = AutoModelForCausalLM.from_pretrained(
         str(model_dir), local_files_only=True, dtype=torch.float32, attn_implementation="sdpa")
-    return model.eval()
+    return model.to(DEVICE).eval()
 
 
 @pytest.fixture(scope="session")
 def engine(model_dir: Path) -> LLMEngine:
     """A shared default engine; tests using it must leave it idle (every request finished)."""
-    return LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=512, max_num_batched_tokens=256))
+    return LLMEngine(engine_config(model_dir, num_kv_blocks=512, max_num_batched_tokens=256))

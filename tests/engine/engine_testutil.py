@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
+from engine_server.engine.config import EngineConfig
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import CompletionDelta, EngineRequest, FinishReason
+
+# The engine tests run on the CPU; `ENGINE_TEST_DEVICE=cuda` runs the same tests (engines and references) on a
+# GPU where one is lent (the CUDA path: padded SDPA decode groups instead of the CPU kernel).
+DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
+
+
+def engine_config(model_dir: Path | str, **kwargs: Any) -> EngineConfig:
+    """An EngineConfig for the test device."""
+    return EngineConfig(model=str(model_dir), device=DEVICE, **kwargs)
 
 
 class Collected:
@@ -59,7 +71,7 @@ def reference_greedy(model: Any, prompts: list[list[int]], max_tokens: list[int]
         by_len[len(prompt)].append(i)
     out: list[list[int]] = [[] for _ in prompts]
     for length, rows in by_len.items():
-        ids = torch.tensor([prompts[i] for i in rows])
+        ids = torch.tensor([prompts[i] for i in rows], device=model.device)
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max(max_tokens[i] for i in rows), pad_token_id=2)
         for row, i in enumerate(rows):

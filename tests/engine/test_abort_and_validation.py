@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_server.engine.config import EngineConfig
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import (
     EngineOverloaded,
@@ -16,7 +15,7 @@ from engine_server.engine.types import (
     RequestError,
     SamplingParams,
 )
-from engine_testutil import Collected, reference_greedy
+from engine_testutil import Collected, engine_config, reference_greedy
 
 
 def _prompt(seed: int, length: int) -> tuple[int, ...]:
@@ -25,7 +24,7 @@ def _prompt(seed: int, length: int) -> tuple[int, ...]:
 
 
 def test_abort_running_waiting_and_prefilling_requests_frees_every_block(model_dir: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_num_batched_tokens=32,
+    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=64, max_num_batched_tokens=32,
                                     max_num_seqs=4))
     free_at_start = engine.stats().num_free_blocks
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
@@ -59,7 +58,7 @@ def test_abort_running_waiting_and_prefilling_requests_frees_every_block(model_d
 
 
 def test_aborting_one_completion_frees_only_its_own_blocks(model_dir: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_num_batched_tokens=64))
+    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=64, max_num_batched_tokens=64))
     block_manager = engine.block_manager
     free_at_start = block_manager.num_free_blocks
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=30, ignore_eos=True)
@@ -95,7 +94,7 @@ def test_aborting_one_completion_frees_only_its_own_blocks(model_dir: Path) -> N
 
 
 def test_completions_aborted_before_the_fork(model_dir: Path, ref_model: Any) -> None:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_num_batched_tokens=16))
+    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=64, max_num_batched_tokens=16))
     free_at_start = engine.stats().num_free_blocks
     prompt = _prompt(8, 40)  # three chunks at 16 tokens a step
     engine.add_request(EngineRequest("two", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=12)))
@@ -136,7 +135,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
 
 
 def test_invalid_requests_are_refused_and_others_keep_running(model_dir: Path, ref_model: Any) -> None:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=8,
+    engine = LLMEngine(engine_config(model_dir, max_model_len=256, num_kv_blocks=64, max_num_seqs=8,
                                     max_waiting=64))
     good_prompt = _prompt(1, 20)
     engine.add_request(EngineRequest("busy", good_prompt, SamplingParams(temperature=0.0, max_tokens=20)))
@@ -178,7 +177,7 @@ def test_sampling_params_ranges(field_name: str, kwargs: dict[str, Any]) -> None
 
 
 def test_waiting_queue_is_bounded(model_dir: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=16, max_waiting=3))
+    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=16, max_waiting=3))
     for i in range(3):
         engine.add_request(EngineRequest(f"w{i}", (5, 6), SamplingParams(max_tokens=2)))
     with pytest.raises(EngineOverloaded):
@@ -190,9 +189,9 @@ def test_waiting_queue_is_bounded(model_dir: Path) -> None:
 
 def test_missing_or_incomplete_model_dir_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        LLMEngine(EngineConfig(model=str(tmp_path / "nope")))
+        LLMEngine(engine_config(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
-        LLMEngine(EngineConfig(model=str(tmp_path)))
+        LLMEngine(engine_config(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="no weights"):
-        LLMEngine(EngineConfig(model=str(tmp_path)))
+        LLMEngine(engine_config(tmp_path))

@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from engine_server.engine.config import EngineConfig
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import EngineRequest, SamplingParams
-from engine_testutil import run
+from engine_testutil import DEVICE, engine_config, run
 
 
 def _build(name: str, out_dir: Path) -> None:
@@ -47,8 +46,9 @@ def _build(name: str, out_dir: Path) -> None:
 @torch.inference_mode()
 def _reference(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     # min_new_tokens: like ignore_eos, the reference never stops early
-    return [model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
-                           min_new_tokens=max_tokens, pad_token_id=0)[0, len(prompt):].tolist()
+    return [model.generate(torch.tensor([prompt], device=model.device), do_sample=False,
+                           max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                           pad_token_id=0)[0, len(prompt):].tolist()
             for prompt in prompts]
 
 
@@ -57,7 +57,7 @@ def test_greedy_matches_generate(name: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     _build(name, tmp_path)
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_num_batched_tokens=32))
+    engine = LLMEngine(engine_config(tmp_path, num_kv_blocks=64, max_num_batched_tokens=32))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 50))] for _ in range(6)]
     # A prompt longer than the step's token budget first (a chunked prefill), and one sharing its first two
@@ -70,7 +70,7 @@ def test_greedy_matches_generate(name: str, tmp_path: Path) -> None:
     # Gemma2's soft-capping exists in transformers' eager attention only (its sdpa path has none).
     implementation = "eager" if name == "gemma2" else "sdpa"
     ref: Any = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation=implementation)
-    ref.eval()
+    ref.to(DEVICE).eval()
     want = _reference(ref, prompts, 10)
     for i in range(len(prompts)):
         assert got.tokens[(f"r{i}", 0)] == want[i], f"{name} request {i}"

@@ -6,10 +6,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from engine_server.engine.config import EngineConfig
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import EngineRequest, FinishReason, SamplingParams
-from engine_testutil import reference_greedy, run
+from engine_testutil import engine_config, reference_greedy, run
 
 
 def _workload(seed: int, num_requests: int) -> tuple[list[list[int]], list[int]]:
@@ -32,7 +31,7 @@ def test_greedy_matches_generate_staggered_with_preemption_and_prefix_hits(
         model_dir: Path, ref_model: Any) -> None:
     prompts, max_tokens = _workload(0, 64)
     # Small cache (preemption), small token budget (chunked prefill), staggered arrivals.
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=40, max_num_batched_tokens=64,
+    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=40, max_num_batched_tokens=64,
                                     max_num_seqs=32))
     free_at_start = engine.stats().num_free_blocks
     requests = [EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=m))

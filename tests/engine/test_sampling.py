@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import EngineRequest, FinishReason, SamplingParams
-from engine_testutil import reference_greedy, run
+from engine_testutil import engine_config, reference_greedy, run
 
 EOS = 1
 # Logprobs are compared with log_softmax of the reference model's logits (float32, same weights,
@@ -68,7 +68,7 @@ def test_logprobs_match_reference_log_softmax(engine: LLMEngine, ref_model: Any)
     got = run(engine, [EngineRequest("lp", prompt, params)])
     output = got.tokens[("lp", 0)]
     with torch.inference_mode():
-        logits = ref_model(torch.tensor([list(prompt) + output])).logits[0]
+        logits = ref_model(torch.tensor([list(prompt) + output], device=ref_model.device)).logits[0]
     ref = torch.log_softmax(logits.float(), dim=-1)
     logprobs = [lp for d in got.deltas for lp in (d.logprobs or [])]
     assert len(logprobs) == len(output)
@@ -94,14 +94,13 @@ def test_logprobs_match_reference_log_softmax(engine: LLMEngine, ref_model: Any)
 
 
 def test_prompt_logprobs_across_prefill_chunks(model_dir: Any, ref_model: Any) -> None:
-    from engine_server.engine.config import EngineConfig
-
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_num_batched_tokens=16))
+    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=64, max_num_batched_tokens=16))
     prompt = _prompt(5, 50)  # four chunks of at most 16 tokens
     got = run(engine, [EngineRequest("c", prompt, SamplingParams(temperature=0.0, max_tokens=2,
                                                                  prompt_logprobs=0))])
     with torch.inference_mode():
-        ref = torch.log_softmax(ref_model(torch.tensor([list(prompt)])).logits[0].float(), dim=-1)
+        ids = torch.tensor([list(prompt)], device=ref_model.device)
+        ref = torch.log_softmax(ref_model(ids).logits[0].float(), dim=-1)
     prompt_lps = next(d.prompt_logprobs for d in got.deltas if d.prompt_logprobs is not None)
     assert prompt_lps is not None
     values = [e.logprob for e in prompt_lps[1:] if e is not None]
@@ -150,9 +149,7 @@ def test_repetition_penalty_avoids_seen_tokens(engine: LLMEngine) -> None:
 
 
 def test_max_model_len_ends_with_length(model_dir: Any) -> None:
-    from engine_server.engine.config import EngineConfig
-
-    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=40, num_kv_blocks=16))
+    engine = LLMEngine(engine_config(model_dir, max_model_len=40, num_kv_blocks=16))
     params = SamplingParams(temperature=0.0, ignore_eos=True)  # no max_tokens: up to max_model_len
     got = run(engine, [EngineRequest("long", _prompt(8, 30), params)])
     assert len(got.tokens[("long", 0)]) == 10

@@ -5,10 +5,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from engine_server.engine.config import EngineConfig
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import EngineRequest, FinishReason, SamplingParams
-from engine_testutil import Collected
+from engine_testutil import Collected, engine_config
 
 
 def _random_params(rng: random.Random) -> SamplingParams:
@@ -34,7 +33,7 @@ def _random_params(rng: random.Random) -> SamplingParams:
 
 def test_random_workload_with_aborts_keeps_every_invariant(model_dir: Path) -> None:
     rng = random.Random(42)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=24, max_num_batched_tokens=48,
+    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=24, max_num_batched_tokens=48,
                                     max_num_seqs=12, max_model_len=384))
     free_at_start = engine.stats().num_free_blocks
     requests: dict[str, EngineRequest] = {}

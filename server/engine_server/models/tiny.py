@@ -51,6 +51,8 @@ class TinyModelSpec:
     initializer_range: float = 0.2
     seed: int = 0
     pad_vocab: bool = False
+    dtype: str = "float32"  # of the saved weights (and so of the engine's "auto" dtype on cuda)
+    tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -68,7 +70,14 @@ BENCH_30M = TinyModelSpec(
     name="bench-llama-30m", vocab_size=8192, hidden_size=512, intermediate_size=1408,
     num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, initializer_range=0.05, pad_vocab=True,
 )
-SPECS = {spec.name: spec for spec in (TINY, BENCH_30M)}
+# Llama-3.2-1B's shape (1.24B parameters, bfloat16): a model of realistic shape for GPU benchmarks, whose
+# cost per token is a real model's. Not built by tests (2.5 GB); build it with scripts/build_test_models.py.
+BENCH_1B = TinyModelSpec(
+    name="bench-llama-1b", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+    initializer_range=0.02, pad_vocab=True, dtype="bfloat16", tie_word_embeddings=True,
+)
+SPECS = {spec.name: spec for spec in (TINY, BENCH_30M, BENCH_1B)}
 
 
 def build_tokenizer(vocab_size: int, out_dir: Path) -> int:
@@ -100,8 +109,10 @@ def build_tokenizer(vocab_size: int, out_dir: Path) -> int:
     return int(tokenizer.get_vocab_size())
 
 
-def build_model(spec: TinyModelSpec, out_dir: Path) -> None:
-    """Writes tokenizer + random-weight LlamaForCausalLM (safetensors) into out_dir."""
+def build_model(spec: TinyModelSpec, out_dir: Path, *, device: str = "cpu") -> None:
+    """Writes tokenizer + random-weight LlamaForCausalLM (safetensors) into out_dir; the weights are drawn on
+    `device` (a GPU draws a billion-parameter model in a second; the CPU, with another random stream, in
+    a minute)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -117,10 +128,11 @@ def build_model(spec: TinyModelSpec, out_dir: Path) -> None:
         num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
         initializer_range=spec.initializer_range, bos_token_id=bos_id, eos_token_id=eos_id,
-        pad_token_id=pad_id, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        pad_token_id=pad_id, tie_word_embeddings=spec.tie_word_embeddings, rms_norm_eps=1e-5,
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(str(out_dir), safe_serialization=True)

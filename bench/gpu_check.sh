@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU checks, as one script for a lent GPU machine (not CI): the engine's tests on CUDA, then the
+# frontend benchmark on a model of realistic shape (Llama-3.2-1B's, random bfloat16 weights, drawn on the GPU).
+#
+# The machine has python3 with torch/transformers but no network: the other wheels travel in .whl/ (see
+# /work/.library/device/README.md), our packages are used from the source tree. Every stage logs to $OUT and
+# a failing stage does not stop the next one.
+#
+# Usage: OUT=/tmp/out bench/gpu_check.sh [tests] [bench]      (default: both)
+# Env: DEVICE (cuda), SPEC (bench-llama-1b), CONCURRENCY (1,16,64,256), SERVERS (grpc,grpc-ids,sse,inproc),
+#      SERVER_CORES (0,1), CLIENT_CORE (2), WHEELS (.whl)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to a folder for the logs and results}
+DEVICE=${DEVICE:-cuda}
+SPEC=${SPEC:-bench-llama-1b}
+STAGES=${*:-tests bench}
+export PYTHONUNBUFFERED=1
+export ENGINE_CACHE_DIR=${ENGINE_CACHE_DIR:-/tmp/engine-cache}
+site=/tmp/engine-site
+wheels=${WHEELS:-.whl}
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    "$wheels"/*.whl || exit 1
+fi
+export PYTHONPATH=$site:$PWD/gen/python:$PWD/server:$PWD/clients/python/src:$PWD/tests
+mkdir -p "$OUT"
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
+  python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+"transformers", transformers.__version__)'; nproc; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+if [[ " $STAGES " == *" tests "* ]]; then
+  echo "== engine tests on $DEVICE"
+  # The embedding test needs a model from PyPI (not on the machine); the kernel tests are CPU code.
+  ENGINE_TEST_DEVICE=$DEVICE timeout 240 python3 -m pytest tests/engine -q -p no:cacheprovider \
+    -k "not kernel and not fused and not embedding" 2>&1 | tee "$OUT/engine-tests.txt" | tail -15
+fi
+
+if [[ " $STAGES " == *" bench "* ]]; then
+  echo "== building $SPEC on $DEVICE"
+  models=/tmp/engine-models
+  [[ -f $models/$SPEC/engine_test_model.json ]] \
+    || timeout 180 python3 scripts/build_test_models.py "$models" --only "$SPEC" --device "$DEVICE" 2>&1 | tail -3
+  echo "== frontend benchmark"
+  set -o pipefail
+  timeout 420 python3 bench/frontend.py --engines model --model "$models/$SPEC" --device "$DEVICE" \
+    --servers "${SERVERS:-grpc,grpc-ids,sse,inproc}" --concurrency "${CONCURRENCY:-1,16,64,256}" \
+    --server-cores "${SERVER_CORES:-0,1}" --client-core "${CLIENT_CORE:-2}" --section gpu --markdown "$OUT/BENCHMARKS-gpu.md" --plots "$OUT" \
+    --json "$OUT/frontend-gpu.json" 2>&1 | tee "$OUT/frontend.txt" | tail -40
+  echo "frontend rc=$?"
+fi
