@@ -218,6 +218,11 @@ def _gpu_note(args: argparse.Namespace) -> str:
             "its engine core process drives the GPU from one of the server cores.")
 
 
+def _python() -> str:
+    venv = ROOT / ".venv"
+    return ".venv/bin/python" if Path(sys.prefix).resolve() == venv.resolve() else "python3"
+
+
 def _cores(cores: set[int]) -> str:
     return ",".join(str(c) for c in sorted(cores))
 
@@ -236,7 +241,7 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, plots: dict[str
     top = max(args.concurrency)
     parts = [
         f"Measured {now} on {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}. "
-        f"Command: `.venv/bin/python {command}`. Machine load average (1 min) at the start and end of the "
+        f"Command: `{_python()} {command}`. Machine load average (1 min) at the start and end of the "
         f"run: {args.load_before:.1f} / {os.getloadavg()[0]:.1f} (the machine is shared: other processes "
         "compete for both cores, which is why CPU time per token is reported next to throughput).",
         f"Server side (frontend + engine core process) pinned to core(s) {_cores(args.server_cores)}; "
