@@ -6,7 +6,9 @@ Each layer first writes this step's K/V into the paged cache (slot mapping), the
 - decode tokens (one query per sequence) of all sequences together: on CPU, one call of the engine's
   compiled kernel that reads the paged cache in place (engine/csrc/); elsewhere, or where it cannot be
   built, their contexts are gathered into padded groups with a key mask and one SDPA call per group;
-- prefill chunks one sequence at a time, with a causal mask offset by the cached context.
+- prefill chunks one sequence at a time, with a causal mask offset by the cached context; chunks that start
+  their sequences and have the same length (a burst of equal-length prompts) laid out back to back are one
+  batched causal SDPA call.
 Unlike a block-diagonal mask over the whole batch, the cost stays linear in the batch size.
 
 Sliding windows (the `sliding_window` kwarg of Mistral, Qwen2, Gemma2/3 layers) are applied as
@@ -36,6 +38,8 @@ class PrefillChunk:
     context_blocks: torch.Tensor | None = None
     context_len: int = 0
     mask: torch.Tensor | None = None
+    # > 1: that many sequences' first chunks, each context_len tokens, back to back (context_blocks None)
+    num_seqs: int = 1
 
 
 @dataclass(slots=True)
@@ -116,8 +120,12 @@ def paged_attention_forward(
     if meta.decode_batch is not None:
         _kernel_decode(meta.decode_batch, query, k_cache, v_cache, out, scaling=scaling, window=window,
                        softcap=softcap)
-    # 3) prefill chunks, one sequence at a time
+    # 3) prefill chunks, one sequence at a time (or one batch of equal-length first chunks)
     for chunk in meta.prefills:
+        if chunk.num_seqs > 1:
+            _first_chunks(out, query, key, value, chunk, window=window, scaling=scaling, softcap=softcap,
+                          gqa=gqa)
+            continue
         q = query[:, :, chunk.q_start:chunk.q_end]
         if window is not None and window < chunk.context_len:
             _prefill_with_window(out, q, k_blocks, v_blocks, chunk, key, value, window=window,
@@ -148,6 +156,24 @@ def _kernel_decode(batch: DecodeBatch, query: torch.Tensor, k_cache: torch.Tenso
     # the kernel writes straight into the output rows (a contiguous slice of `out`)
     batch.kernel(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale, window or 0,
                  softcap or 0.0, out[batch.q_start:batch.q_end].view(shape))
+
+
+def _first_chunks(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  chunk: PrefillChunk, *, window: int | None, scaling: float | None, softcap: float | None,
+                  gqa: bool) -> None:
+    """num_seqs sequences' first chunks of equal length: one causal (and windowed) attention call, the
+    sequences in the batch axis."""
+    n, length = chunk.num_seqs, chunk.context_len
+    # [1, heads, n * length, d] -> [n, heads, length, d]: views (splitting one axis into n x length needs
+    # no copy, whatever the strides)
+    q, k, v = (x[0, :, chunk.q_start:chunk.q_end].reshape(x.shape[1], n, length, x.shape[3]).transpose(0, 1)
+               for x in (query, key, value))
+    mask = None
+    if window is not None and window < length:
+        pos = torch.arange(length, device=q.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    o = _attention(q, k, v, mask, scaling=scaling, softcap=softcap, gqa=gqa)  # [n, heads, length, d]
+    out[chunk.q_start:chunk.q_end] = o.transpose(1, 2).reshape(n * length, o.shape[1], o.shape[3])
 
 
 def _prefill_with_window(out: torch.Tensor, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,

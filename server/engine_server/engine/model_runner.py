@@ -59,7 +59,9 @@ class ModelRunner:
         # NOTE: single-token queries (decodes, and 1-token chunks) go first so they share one SDPA call.
         # Sorted by context length so that each decode group pads little.
         decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        # First chunks of equal length side by side: each run of them is one batched attention call.
+        prefills = sorted((s for s in scheduled if s.num_new_tokens > 1),
+                          key=lambda s: (s.start > 0, s.num_new_tokens))
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -74,7 +76,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq.block_table, start, end))
             if s.num_new_tokens > 1:
-                chunks.append(self._prefill_chunk(s, q_start))
+                self._add_prefill_chunk(chunks, s, q_start)
             if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
                 # position p's logits score prompt token p + 1
                 last = min(end, seq.num_prompt_tokens - 1)
@@ -125,6 +127,15 @@ class ModelRunner:
             raise ValueError(f"model {name} cannot run with the engine's paged attention (its layers must "
                              f"call transformers' attention interface and pass forward kwargs through): "
                              f"{e}") from e
+
+    def _add_prefill_chunk(self, chunks: list[PrefillChunk], s: ScheduledSeq, q_start: int) -> None:
+        last = chunks[-1] if chunks else None
+        if (s.start == 0 and last is not None and last.context_blocks is None
+                and last.context_len == s.num_new_tokens and last.q_end == q_start):
+            last.q_end += s.num_new_tokens  # another first chunk of the same length: joins the batch
+            last.num_seqs += 1
+            return
+        chunks.append(self._prefill_chunk(s, q_start))
 
     def _prefill_chunk(self, s: ScheduledSeq, q_start: int) -> PrefillChunk:
         q_end = q_start + s.num_new_tokens
