@@ -37,6 +37,12 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, kv.num_kv_heads, kv.head_dim)
+        if device.type == "cuda":
+            # NOTE: cuDNN's SDPA backend builds an execution plan for every new shape (hundreds of ms for the
+            # first call of a shape on an H200), and a continuously batched engine changes its attention
+            # shapes every step (sequences per decode group, context lengths, prefill batches). The flash and
+            # memory-efficient backends have no per-shape set-up. Process-wide: the engine owns its process.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         # on CPU, decode attention reads the paged cache in place through the engine's compiled kernel
         kernels = cpu_kernels.load() if device.type == "cpu" else None
         self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
