@@ -60,7 +60,7 @@ class GatedMLP(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [64, 72, 512])  # 72: a partial last 16 lanes
+@pytest.mark.parametrize("hidden", [64, 68, 72, 512])  # 68: partial last 8 and 16 lanes; 72: last 16
 def test_rms_norm_matches_the_torch_formula(kernels: CpuKernels, dtype: torch.dtype, hidden: int) -> None:
     torch.manual_seed(hidden)
     norm = LlamaRMSNorm(hidden).to(dtype)
@@ -79,9 +79,9 @@ def test_rms_norm_matches_the_torch_formula(kernels: CpuKernels, dtype: torch.dt
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_torch(kernels: CpuKernels, dtype: torch.dtype) -> None:
     torch.manual_seed(1)
-    gate = (torch.randn(7, 1000) * 6).to(dtype)  # 7000: not a multiple of 16; large |x| saturates exp
+    gate = (torch.randn(7, 1001) * 6).to(dtype)  # 7007: not a multiple of 8 or 16; large |x| saturates exp
     gate[0, :3] = torch.tensor([-200.0, 200.0, 0.0])
-    up = torch.randn(7, 1000).to(dtype)
+    up = torch.randn(7, 1001).to(dtype)
     out = torch.empty_like(gate)
     kernels.silu_and_mul(gate, up, out)
     expected = torch.nn.functional.silu(gate) * up

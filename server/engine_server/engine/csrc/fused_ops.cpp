@@ -38,6 +38,18 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t hidden,
         const __m512 normed = round_as<T>(_mm512_mul_ps(load16(xr + e, m), vinv));
         store16(yr + e, _mm512_mul_ps(load16(w + e, m), normed), m);
       }
+#elif defined(ENGINE_AVX2)
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t e = 0; e < hidden; e += 8) {
+        const __m256 v = load8(xr + e, hidden - e);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      const float inv = 1.f / std::sqrt(reduce_add8(acc) / static_cast<float>(hidden) + eps);
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (int64_t e = 0; e < hidden; e += 8) {
+        const __m256 normed = round_as8<T>(_mm256_mul_ps(load8(xr + e, hidden - e), vinv));
+        store8(yr + e, _mm256_mul_ps(load8(w + e, hidden - e), normed), hidden - e);
+      }
 #else
       float sum = 0.f;
       for (int64_t e = 0; e < hidden; ++e) sum += static_cast<float>(xr[e]) * static_cast<float>(xr[e]);
@@ -59,6 +71,13 @@ void silu_mul(const T* gate, const T* up, T* out, int64_t count) {
       const __m512 one = _mm512_set1_ps(1.f);
       const __m512 act = round_as<T>(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
       store16(out + i, _mm512_mul_ps(act, load16(up + i, m)), m);
+    }
+#elif defined(ENGINE_AVX2)
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (int64_t i = first; i < last; i += 8) {
+      const __m256 g = load8(gate + i, last - i);
+      const __m256 act = round_as8<T>(_mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
+      store8(out + i, _mm256_mul_ps(act, load8(up + i, last - i)), last - i);
     }
 #else
     for (int64_t i = first; i < last; ++i) {

@@ -122,6 +122,44 @@ inline __m256 sum8(const __m256 v[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+// 8 lanes of float to T, rounded to nearest even as torch's own conversions round; `left` < 8: only that many
+// are written (a row's tail)
+inline void store8(float* p, __m256 v, int64_t left) {
+  if (left >= 8) return _mm256_storeu_ps(p, v);
+  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  _mm256_maskstore_ps(p, m, v);
+}
+template <typename T>
+inline void store8_bits(T* p, __m128i bits, int64_t left) {
+  if (left >= 8) return _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bits);
+  alignas(16) uint16_t tmp[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(tmp), bits);
+  std::memcpy(p, tmp, static_cast<size_t>(left) * sizeof(uint16_t));
+}
+inline __m128i bf16_bits8(__m256 v) {  // as store16's bfloat16 rounding (NaN stays a quiet NaN)
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // every lane is below 2^16: packing with unsigned saturation keeps it as it is
+  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+inline __m128i half_bits8(__m256 v) { return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline void store8(c10::BFloat16* p, __m256 v, int64_t left) { store8_bits(p, bf16_bits8(v), left); }
+inline void store8(c10::Half* p, __m256 v, int64_t left) { store8_bits(p, half_bits8(v), left); }
+
+// the value T would hold: round to T and back (what torch does between two ops of a T model)
+template <typename T>
+inline __m256 round_as8(__m256 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits8(v)), 16));
+  } else {
+    return _mm256_cvtph_ps(half_bits8(v));
+  }
+}
+
 inline float reduce_add8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
