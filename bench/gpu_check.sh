@@ -3,8 +3,10 @@
 # frontend benchmark on a model of realistic shape (Llama-3.2-1B's, random bfloat16 weights, drawn on the GPU).
 #
 # The machine has python3 with torch/transformers but no network: the other wheels travel in .whl/ (see
-# /work/.library/device/README.md), our packages are used from the source tree. Every stage logs to $OUT and
-# a failing stage does not stop the next one.
+# /work/.library/device/README.md; for Python 3.12, manylinux x86_64, the versions .venv pins: protobuf,
+# grpclib, h2, hpack, hyperframe, multidict, smg-grpc-proto, httptools, starlette, uvicorn, pytest-asyncio),
+# our packages are used from the source tree. Every stage logs to $OUT and a failing stage does not stop the
+# next one.
 #
 # Usage: OUT=/tmp/out bench/gpu_check.sh [tests] [bench]      (default: both)
 # Env: DEVICE (cuda), SPEC (bench-llama-1b), CONCURRENCY (1,16,64,256), SERVERS (grpc,grpc-ids,sse,inproc),
