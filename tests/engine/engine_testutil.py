@@ -95,8 +95,6 @@ _VARIANT_BUILDS = {
 def cpu_kernel_variant(variant: str) -> Any:
     """The engine's CPU kernels as the engine builds them ("native": AVX-512 or AVX2 where the CPU has it),
     or built for a lesser CPU (_VARIANT_BUILDS), so every implementation this CPU can run gets checked."""
-    import os
-
     import pytest
     from engine_server.engine import cpu_kernels
 

@@ -168,10 +168,7 @@ def _first_chunks(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     # no copy, whatever the strides)
     q, k, v = (x[0, :, chunk.q_start:chunk.q_end].reshape(x.shape[1], n, length, x.shape[3]).transpose(0, 1)
                for x in (query, key, value))
-    mask = None
-    if window is not None and window < length:
-        pos = torch.arange(length, device=q.device)
-        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    mask = _window_mask(length, length, window, q.device) if window is not None and window < length else None
     o = _attention(q, k, v, mask, scaling=scaling, softcap=softcap, gqa=gqa)  # [n, heads, length, d]
     out[chunk.q_start:chunk.q_end] = o.transpose(1, 2).reshape(n * length, o.shape[1], o.shape[3])
 
@@ -190,11 +187,17 @@ def _prefill_with_window(out: torch.Tensor, q: torch.Tensor, k_blocks: torch.Ten
         k = k_blocks.index_select(0, chunk.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
         v = v_blocks.index_select(0, chunk.context_blocks).view(-1, num_kv_heads, head_dim)[:ctx]
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    query_pos = torch.arange(ctx - num_new, ctx, device=q.device)[:, None]
-    key_pos = torch.arange(ctx, device=q.device)[None, :]
-    mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
-    o = _attention(q, k, v, mask, scaling=scaling, softcap=softcap, gqa=gqa)
+    o = _attention(q, k, v, _window_mask(ctx, num_new, window, q.device), scaling=scaling, softcap=softcap,
+                   gqa=gqa)
     out[chunk.q_start:chunk.q_end] = o[0].transpose(0, 1)
+
+
+def _window_mask(context_len: int, num_new: int, window: int, device: torch.device) -> torch.Tensor:
+    """[num_new, context_len] bool, True where a query (the last num_new positions) attends: causal AND
+    within the sliding window."""
+    query_pos = torch.arange(context_len - num_new, context_len, device=device)[:, None]
+    key_pos = torch.arange(context_len, device=device)[None, :]
+    return (key_pos <= query_pos) & (key_pos > query_pos - window)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
