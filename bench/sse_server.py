@@ -23,12 +23,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import uvicorn
-from engine_server.cli import parse_size
-from engine_server.engine.config import EngineConfig
 from engine_server.engine.types import EngineDead, EngineOverloaded, RequestError, SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
-from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
 from engine_server.frontend.outputs import GenerateRequest
+from frontend_lib.engine_args import add_engine_args, resolve_model, start_engine
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -81,14 +79,7 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> Starlette:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
-                          device=args.device, kv_cache_memory_bytes=args.kv_cache_memory)
-    factory: EngineFactory = default_engine_factory
-    if args.simulated_engine is not None:
-        from engine_server.engine.simulated import simulated_engine_factory
-
-        factory = simulated_engine_factory(args.simulated_engine)
-    engine = await AsyncEngine.start(config, engine_factory=factory)
+    engine = await start_engine(args)
     sock = socket.create_server((args.host, args.port), backlog=1024)
     server = uvicorn.Server(uvicorn.Config(
         build_app(engine, model_name=Path(args.model).name), loop="none", http="httptools",
@@ -110,20 +101,12 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-cache-memory", type=parse_size, default=256 * 2**20)
-    p.add_argument("--simulated-engine", type=float, default=None, metavar="STEP_MS")
+    add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--ready-file", default=None)
     args = p.parse_args()
-    if args.model is None:
-        from engine_server.models.tiny import default_model_dir
-
-        args.model = str(default_model_dir())
+    resolve_model(args)
     import uvloop
 
     uvloop.run(serve(args))

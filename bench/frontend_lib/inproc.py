@@ -14,13 +14,11 @@ import json
 import sys
 import time
 
-from engine_server.cli import parse_size
-from engine_server.engine.config import EngineConfig
 from engine_server.engine.types import SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
-from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
 from engine_server.frontend.outputs import GenerateRequest
 
+from frontend_lib.engine_args import add_engine_args, resolve_model, start_engine
 from frontend_lib.workload import RequestTrace, SendFn, closed_loop, cpu_seconds_self, prompt_ids, summarize
 
 
@@ -39,14 +37,7 @@ def engine_sender(engine: AsyncEngine, *, prompt: int, output: int, tag: str) ->
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, device=args.device,
-                          kv_cache_memory_bytes=args.kv_cache_memory)
-    factory: EngineFactory = default_engine_factory
-    if args.simulated_engine is not None:
-        from engine_server.engine.simulated import simulated_engine_factory
-
-        factory = simulated_engine_factory(args.simulated_engine)
-    engine = await AsyncEngine.start(config, engine_factory=factory)
+    engine = await start_engine(args)
     print(json.dumps({"ready": True, "core_pid": engine.core_pid}), flush=True)
     loop = asyncio.get_running_loop()
     run = 0
@@ -66,18 +57,11 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-cache-memory", type=parse_size, default=256 * 2**20)
-    p.add_argument("--simulated-engine", type=float, default=None, metavar="STEP_MS")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    add_engine_args(p)
     p.add_argument("--prompt", type=int, default=100)
     p.add_argument("--output", type=int, default=100)
     args = p.parse_args()
-    if args.model is None:
-        from engine_server.models.tiny import default_model_dir
-
-        args.model = str(default_model_dir())
+    resolve_model(args)
     import uvloop
 
     uvloop.run(main_async(args))
