@@ -3,7 +3,7 @@
 `load()` returns the compiled module (decode attention over the paged cache, fused RMSNorm and
 SiLU-and-mul), or None when it cannot be had (no C++ compiler, a build error, ENGINE_CPU_KERNELS=0);
 the engine then stays on its torch-only path, which gives the same results more slowly. The build
-takes ~40 s once; the cache key covers the sources, the flags, torch, Python and this CPU's
+takes ~30 s once (2 vCPUs); the cache key covers the sources, the flags, torch, Python and this CPU's
 instruction set (the code is built with -march=native), so a cache dir shared by different machines
 never hands one another's binary.
 

@@ -1,5 +1,7 @@
 // Python bindings of the engine's CPU kernels (one extension module, built by engine/cpu_kernels.py).
-#include <torch/extension.h>
+// NOTE: the header that makes at::Tensor a pybind11 argument type (what <torch/python.h> and
+// <torch/extension.h> include for it); the whole of either takes 2-3x as long to compile.
+#include <torch/csrc/utils/pybind.h>
 
 #include "ops.h"
 #include "simd.h"

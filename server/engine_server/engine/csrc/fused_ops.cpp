@@ -88,14 +88,14 @@ void silu_mul(const T* gate, const T* up, T* out, int64_t count) {
   });
 }
 
-void check_same(const torch::Tensor& a, const torch::Tensor& b, const char* what) {
+void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
   TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.scalar_type() == b.scalar_type(), what,
               ": contiguous tensors of one dtype expected");
 }
 
 }  // namespace
 
-void rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out) {
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   check_same(x, weight, "rms_norm");
   check_same(x, out, "rms_norm");
   const int64_t hidden = x.size(-1);
@@ -106,7 +106,7 @@ void rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, t
   });
 }
 
-void silu_and_mul(const torch::Tensor& gate, const torch::Tensor& up, torch::Tensor& out) {
+void silu_and_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
   check_same(gate, up, "silu_and_mul");
   check_same(gate, out, "silu_and_mul");
   TORCH_CHECK(gate.numel() == up.numel() && gate.numel() == out.numel(), "silu_and_mul: shapes");

@@ -298,13 +298,13 @@ void decode(const Args<T>& a) {
 
 }  // namespace
 
-void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                            const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
-                            int64_t window, double softcap, torch::Tensor& out) {
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            int64_t window, double softcap, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && q.is_contiguous() && out.is_contiguous() &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(),
               "paged_decode_attention: contiguous q [n, kv_heads, group, d] and caches expected");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: int64 block tables and lengths expected");
   TORCH_CHECK(context_lens.min().item<int64_t>() > 0, "paged_decode_attention: empty context");
   const int64_t n = q.size(0), kv_heads = q.size(1), group = q.size(2), d = q.size(3);

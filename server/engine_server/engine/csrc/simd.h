@@ -3,7 +3,8 @@
 #pragma once
 
 #include <ATen/Dispatch.h>
-#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
