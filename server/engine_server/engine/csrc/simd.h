@@ -28,6 +28,18 @@
 
 namespace engine_kernels {
 
+// exp(y) of the SIMD paths (exp16, exp8): y = n ln2 + r with |r| <= ln2 / 2, exp(y) = 2^n * p(r), p the degree-6
+// Taylor polynomial (relative error ~1e-7); y is clamped to [-88, 88] (the float range). One table for both ISAs,
+// so their results cannot drift apart.
+namespace exp_poly {
+constexpr float kMaxInput = 88.f;
+constexpr float kLog2e = 1.44269504f;
+constexpr float kLn2Hi = 0.693145751953125f;  // ln 2 in two parts: n * kLn2Hi is exact for |n| <= 128
+constexpr float kLn2Lo = 1.428606765330187e-06f;
+constexpr int kNumCoeffs = 7;
+constexpr float kCoeffs[kNumCoeffs] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};  // x^6 .. x^0
+}  // namespace exp_poly
+
 #ifdef ENGINE_AVX512
 // 16 lanes of float from T (masked: lanes past the row read nothing)
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -81,16 +93,16 @@ inline __m512 sum16(const __m512 v[16]) {
                        _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
 }
 
-// exp(y): 2^n * p(r), y = n ln2 + r, |r| <= ln2 / 2, p the degree-6 Taylor polynomial (relative error
-// ~1e-7); scalef applies 2^n without overflow tricks. y is clamped to [-88, 88] (the float range).
+// exp(y) (exp_poly); scalef applies 2^n without overflow tricks
 inline __m512 exp16(__m512 y) {
-  y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-88.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504f)),
+  using namespace exp_poly;
+  y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-kMaxInput)), _mm512_set1_ps(kMaxInput));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), y);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), y);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kCoeffs[0]);
+  for (int i = 1; i < kNumCoeffs; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kCoeffs[i]));
   return _mm512_scalef_ps(p, n);
 }
 #endif  // ENGINE_AVX512
@@ -173,17 +185,17 @@ inline float reduce_max8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// exp(y) as exp16 computes it (same range reduction and polynomial); 2^n is built in the exponent bits:
-// n is within [-127, 127] after the clamp, and n = -127 (biased exponent 0) gives 0, exp's value to float
-// precision there.
+// exp(y) (exp_poly), as exp16 computes it; 2^n is built in the exponent bits: n is within [-127, 127] after
+// the clamp, and n = -127 (biased exponent 0) gives 0, exp's value to float precision there.
 inline __m256 exp8(__m256 y) {
-  y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-88.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(y, _mm256_set1_ps(1.44269504f)),
+  using namespace exp_poly;
+  y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-kMaxInput)), _mm256_set1_ps(kMaxInput));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(y, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), y);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), y);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kCoeffs[0]);
+  for (int i = 1; i < kNumCoeffs; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kCoeffs[i]));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
