@@ -8,7 +8,8 @@
 # our packages are used from the source tree. Every stage logs to $OUT and a failing stage does not stop the
 # next one.
 #
-# Usage: OUT=/tmp/out bench/gpu_check.sh [tests] [bench]      (default: both)
+# Usage: OUT=/tmp/out bench/gpu_check.sh [tests] [steps] [bench]      (default: all three)
+#   steps: engine step times on $SPEC with the Triton decode kernel and without it (ENGINE_TRITON_DECODE=0)
 # Env: DEVICE (cuda), SPEC (bench-llama-1b), CONCURRENCY (1,16,64,256), SERVERS (grpc,grpc-ids,sse,inproc),
 #      SERVER_CORES (0,1), CLIENT_CORE (2), WHEELS (.whl)
 set -u
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder for the logs and results}
 DEVICE=${DEVICE:-cuda}
 SPEC=${SPEC:-bench-llama-1b}
-STAGES=${*:-tests bench}
+STAGES=${*:-tests steps bench}
 export PYTHONUNBUFFERED=1
 export ENGINE_CACHE_DIR=${ENGINE_CACHE_DIR:-/tmp/engine-cache}
 site=/tmp/engine-site
@@ -39,11 +40,22 @@ if [[ " $STAGES " == *" tests "* ]]; then
     -k "not kernel and not fused and not embedding" 2>&1 | tee "$OUT/engine-tests.txt" | tail -15
 fi
 
-if [[ " $STAGES " == *" bench "* ]]; then
+models=/tmp/engine-models
+if [[ " $STAGES " == *" steps "* || " $STAGES " == *" bench "* ]]; then
   echo "== building $SPEC on $DEVICE"
-  models=/tmp/engine-models
   [[ -f $models/$SPEC/engine_test_model.json ]] \
     || timeout 180 python3 scripts/build_test_models.py "$models" --only "$SPEC" --device "$DEVICE" 2>&1 | tail -3
+fi
+
+if [[ " $STAGES " == *" steps "* ]]; then
+  for triton in 1 0; do
+    echo "== engine steps on $DEVICE, ENGINE_TRITON_DECODE=$triton"
+    ENGINE_TRITON_DECODE=$triton timeout 150 python3 bench/engine_steps.py --model "$models/$SPEC" \
+      --device "$DEVICE" --seqs 1,16,64,256 --output 32 2>&1 | tee "$OUT/steps-triton$triton.txt" | tail -8
+  done
+fi
+
+if [[ " $STAGES " == *" bench "* ]]; then
   echo "== frontend benchmark"
   set -o pipefail
   timeout 420 python3 bench/frontend.py --engines model --model "$models/$SPEC" --device "$DEVICE" \

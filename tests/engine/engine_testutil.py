@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import CompletionDelta, EngineRequest, FinishReason
 
 # The engine tests run on the CPU; `ENGINE_TEST_DEVICE=cuda` runs the same tests (engines and references) on a
-# GPU where one is lent (the CUDA path: padded SDPA decode groups instead of the CPU kernel).
+# GPU where one is lent (the CUDA path: the Triton decode kernel instead of the CPU one, or padded SDPA decode
+# groups where Triton is missing).
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 
 
@@ -113,3 +115,59 @@ def cpu_kernel_variant(variant: str) -> Any:
     elif has_avx2:
         assert kernels.isa() == "avx2"
     return kernels
+
+
+# Decode attention over a paged cache (the CPU kernel's tests and the Triton kernel's share these)
+DECODE_BLOCK = 16
+DECODE_NUM_BLOCKS = 64
+DECODE_LENS = [1, 2, 15, 16, 17, 33, 100, 250, 7]
+DECODE_CASES = [
+    # kv_heads, group, d, window, softcap
+    (4, 2, 64, 0, 0.0),
+    (1, 8, 64, 0, 0.0),
+    (3, 1, 80, 0, 0.0),  # 80 = 5 x 16: no tail; 40 below has a masked tail
+    (2, 2, 40, 0, 0.0),
+    (2, 2, 20, 0, 0.0),  # 20: a tail in 8-lane (AVX2) chunks too
+    (2, 2, 16, 7, 0.0),  # the tiny model's head size, a window that is not a multiple of 8
+    (2, 3, 64, 20, 0.0),
+    (2, 2, 64, 0, 30.0),
+]
+DECODE_DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
+
+
+def decode_case(seed: int, *, kv_heads: int, group: int, d: int, dtype: torch.dtype,
+                lens: list[int]) -> tuple[torch.Tensor, ...]:
+    """(q, k_cache, v_cache, block tables, context lengths): random, the blocks scattered over the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(DECODE_NUM_BLOCKS, DECODE_BLOCK, kv_heads, d, generator=gen).to(dtype)
+    v_cache = torch.randn(DECODE_NUM_BLOCKS, DECODE_BLOCK, kv_heads, d, generator=gen).to(dtype)
+    q = torch.randn(len(lens), kv_heads, group, d, generator=gen).to(dtype)
+    free = list(range(1, DECODE_NUM_BLOCKS))
+    random.Random(seed).shuffle(free)  # scattered, like a cache after many requests
+    max_blocks = -(-max(lens) // DECODE_BLOCK)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
+    for i, n in enumerate(lens):
+        for b in range(-(-n // DECODE_BLOCK)):
+            tables[i, b] = free.pop()
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.long)
+
+
+def float64_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             tables: torch.Tensor, lens: torch.Tensor, *, scale: float, window: int,
+                             softcap: float) -> torch.Tensor:
+    """Decode attention computed directly in float64, one sequence at a time (the kernels' yardstick)."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[2]
+    for s, n in enumerate(lens.tolist()):
+        positions = torch.arange(n)
+        slots = tables[s, positions // DECODE_BLOCK] * DECODE_BLOCK + positions % DECODE_BLOCK
+        k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [n, heads, d]
+        v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        qs = q[s].double().flatten(0, 1)  # [heads, d]
+        scores = torch.einsum("hd,nhd->hn", qs, k) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
+        if window > 0:
+            scores[:, positions < n - window] = float("-inf")
+        out[s] = (torch.softmax(scores, dim=-1).unsqueeze(-1) * v.transpose(0, 1)).sum(1).view(q.shape[1:])
+    return out

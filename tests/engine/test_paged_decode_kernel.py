@@ -6,7 +6,6 @@ Random paged caches with scattered block tables; GQA groups, a head size that is
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import Any
 
@@ -14,10 +13,16 @@ import pytest
 import torch
 from engine_server.engine import cpu_kernels
 from engine_server.engine.attention import DecodeBatch, PagedMetadata, paged_attention_forward
-from engine_testutil import KERNEL_VARIANTS, cpu_kernel_variant
-
-BLOCK = 16
-NUM_BLOCKS = 64
+from engine_testutil import (
+    DECODE_BLOCK,
+    DECODE_CASES,
+    DECODE_DTYPES,
+    DECODE_LENS,
+    KERNEL_VARIANTS,
+    cpu_kernel_variant,
+    decode_case,
+    float64_decode_attention,
+)
 
 
 @pytest.fixture(scope="module", params=KERNEL_VARIANTS)
@@ -26,70 +31,19 @@ def kernel(request: pytest.FixtureRequest) -> Callable[..., None]:
     return fn
 
 
-def _case(seed: int, *, kv_heads: int, group: int, d: int, dtype: torch.dtype,
-          lens: list[int]) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(NUM_BLOCKS, BLOCK, kv_heads, d, generator=gen).to(dtype)
-    v_cache = torch.randn(NUM_BLOCKS, BLOCK, kv_heads, d, generator=gen).to(dtype)
-    q = torch.randn(len(lens), kv_heads, group, d, generator=gen).to(dtype)
-    free = list(range(1, NUM_BLOCKS))
-    random.Random(seed).shuffle(free)  # scattered, like a cache after many requests
-    max_blocks = -(-max(lens) // BLOCK)
-    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
-    for i, n in enumerate(lens):
-        for b in range(-(-n // BLOCK)):
-            tables[i, b] = free.pop()
-    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.long)
-
-
-def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-               lens: torch.Tensor, *, scale: float, window: int, softcap: float) -> torch.Tensor:
-    out = torch.empty(q.shape, dtype=torch.float64)
-    group = q.shape[2]
-    for s, n in enumerate(lens.tolist()):
-        positions = torch.arange(n)
-        slots = tables[s, positions // BLOCK] * BLOCK + positions % BLOCK
-        k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [n, heads, d]
-        v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
-        qs = q[s].double().flatten(0, 1)  # [heads, d]
-        scores = torch.einsum("hd,nhd->hn", qs, k) * scale
-        if softcap > 0:
-            scores = torch.tanh(scores / softcap) * softcap
-        if window > 0:
-            scores[:, positions < n - window] = float("-inf")
-        out[s] = (torch.softmax(scores, dim=-1).unsqueeze(-1) * v.transpose(0, 1)).sum(1).view(q.shape[1:])
-    return out
-
-
-CASES = [
-    # kv_heads, group, d, window, softcap
-    (4, 2, 64, 0, 0.0),
-    (1, 8, 64, 0, 0.0),
-    (3, 1, 80, 0, 0.0),  # 80 = 5 x 16: no tail; 40 below has a masked tail
-    (2, 2, 40, 0, 0.0),
-    (2, 2, 20, 0, 0.0),  # 20: a tail in 8-lane (AVX2) chunks too
-    (2, 2, 16, 7, 0.0),  # the tiny model's head size, a window that is not a multiple of 8
-    (2, 3, 64, 20, 0.0),
-    (2, 2, 64, 0, 30.0),
-]
-
-
-DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
-
-
-@pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
-@pytest.mark.parametrize(("kv_heads", "group", "d", "window", "softcap"), CASES)
+@pytest.mark.parametrize(("dtype", "tolerance"), DECODE_DTYPES)
+@pytest.mark.parametrize(("kv_heads", "group", "d", "window", "softcap"), DECODE_CASES)
 def test_kernel_matches_float64_attention(kernel: Callable[..., None], dtype: torch.dtype, tolerance: float,
                                           kv_heads: int, group: int, d: int, window: int,
                                           softcap: float) -> None:
-    lens = [1, 2, 15, 16, 17, 33, 100, 250, 7]
-    q, k_cache, v_cache, tables, lens_t = _case(d + group, kv_heads=kv_heads, group=group, d=d, dtype=dtype,
-                                                lens=lens)
+    lens = DECODE_LENS
+    q, k_cache, v_cache, tables, lens_t = decode_case(d + group, kv_heads=kv_heads, group=group, d=d,
+                                                      dtype=dtype, lens=lens)
     out = torch.full_like(q, float("nan"))
     kernel(q, k_cache, v_cache, tables, lens_t, d ** -0.5, window, softcap, out)
     # reference on the same (rounded) inputs; the kernel's own rounding is its output dtype's
-    expected = _reference(q, k_cache, v_cache, tables, lens_t, scale=d ** -0.5, window=window,
-                          softcap=softcap)
+    expected = float64_decode_attention(q, k_cache, v_cache, tables, lens_t, scale=d ** -0.5, window=window,
+                                        softcap=softcap)
     torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
 
 
@@ -97,8 +51,8 @@ def test_attention_layer_uses_the_kernel_for_decodes(kernel: Callable[..., None]
     """paged_attention_forward with a DecodeBatch: the rows come from the kernel, in the layer's layout."""
     kv_heads, group, d = 2, 2, 32
     lens = [5, 40, 19]
-    q, k_cache, v_cache, tables, lens_t = _case(1, kv_heads=kv_heads, group=group, d=d, dtype=torch.float32,
-                                                lens=lens)
+    q, k_cache, v_cache, tables, lens_t = decode_case(1, kv_heads=kv_heads, group=group, d=d,
+                                                      dtype=torch.float32, lens=lens)
     calls: list[Any] = []
 
     def counting_kernel(*args: Any) -> None:
@@ -106,7 +60,7 @@ def test_attention_layer_uses_the_kernel_for_decodes(kernel: Callable[..., None]
         kernel(*args)
 
     # this step's K/V for the 3 decode tokens go to the last position of each sequence
-    slots = torch.tensor([int(tables[s, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK
+    slots = torch.tensor([int(tables[s, (n - 1) // DECODE_BLOCK]) * DECODE_BLOCK + (n - 1) % DECODE_BLOCK
                           for s, n in enumerate(lens)])
     new_k = torch.randn(1, kv_heads, len(lens), d)
     new_v = torch.randn(1, kv_heads, len(lens), d)
@@ -116,7 +70,7 @@ def test_attention_layer_uses_the_kernel_for_decodes(kernel: Callable[..., None]
     module = torch.nn.Module()
     out, _ = paged_attention_forward(module, query, new_k, new_v, None, scaling=0.5, paged_metadata=meta)
     assert len(calls) == 1
-    expected = _reference(q, k_cache, v_cache, tables, lens_t, scale=0.5, window=0, softcap=0.0)
+    expected = float64_decode_attention(q, k_cache, v_cache, tables, lens_t, scale=0.5, window=0, softcap=0.0)
     torch.testing.assert_close(out[0].double(), expected.flatten(1, 2), atol=1e-5, rtol=1e-5)
     assert torch.equal(k_cache.flatten(0, 1)[slots], new_k[0].transpose(0, 1))  # written before it was read
 

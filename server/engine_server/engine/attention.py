@@ -3,9 +3,10 @@
 The model runs on one flattened batch [1, num_tokens] with explicit position_ids; per-step
 metadata reaches this function as a forward kwarg (`paged_metadata`), so nothing is global.
 Each layer first writes this step's K/V into the paged cache (slot mapping), then attends:
-- decode tokens (one query per sequence) of all sequences together: on CPU, one call of the engine's
-  compiled kernel that reads the paged cache in place (engine/csrc/); elsewhere, or where it cannot be
-  built, their contexts are gathered into padded groups with a key mask and one SDPA call per group;
+- decode tokens (one query per sequence) of all sequences together: one call of a kernel that reads the
+  paged cache in place (on CPU the engine's compiled one, engine/csrc/; on CUDA its Triton one,
+  engine/triton_decode.py); where neither is available, their contexts are gathered into padded groups with
+  a key mask and one SDPA call per group;
 - prefill chunks one sequence at a time, with a causal mask offset by the cached context; chunks that start
   their sequences and have the same length (a burst of equal-length prompts) laid out back to back are one
   batched causal SDPA call.

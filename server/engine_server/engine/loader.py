@@ -27,6 +27,7 @@ class KVShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    num_heads: int  # query heads: num_heads // num_kv_heads share each kv head
 
     def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
         element_size = torch.empty((), dtype=dtype).element_size()
@@ -84,7 +85,7 @@ def kv_shape(hf_config: Any) -> KVShape:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     return KVShape(num_layers=int(hf_config.num_hidden_layers), num_kv_heads=int(num_kv_heads),
-                   head_dim=int(head_dim))
+                   head_dim=int(head_dim), num_heads=num_heads)
 
 
 def special_token_ids(model_dir: Path, hf_config: Any) -> tuple[int | None, tuple[int, ...], int | None]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_server.engine import cpu_kernels
+from engine_server.engine import cpu_kernels, triton_decode
 from engine_server.engine.attention import DecodeBatch, DecodeGroup, PagedMetadata, PrefillChunk
 from engine_server.engine.fused_modules import fuse_modules
 from engine_server.engine.loader import KVShape
@@ -43,9 +43,16 @@ class ModelRunner:
             # shapes every step (sequences per decode group, context lengths, prefill batches). The flash and
             # memory-efficient backends have no per-shape set-up. Process-wide: the engine owns its process.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        # on CPU, decode attention reads the paged cache in place through the engine's compiled kernel
+        # Decode attention reads the paged cache in place: on CPU through the engine's compiled kernel, on
+        # CUDA through its Triton kernel (once it has matched torch on this device); else gather + SDPA.
         kernels = cpu_kernels.load() if device.type == "cpu" else None
-        self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
+        self.decode_kernel: Callable[..., None] | None = None
+        if kernels is not None:
+            self.decode_kernel = kernels.paged_decode_attention
+        elif device.type == "cuda":
+            self.decode_kernel = triton_decode.load(
+                device, dtype, kv_heads=kv.num_kv_heads, group=kv.num_heads // kv.num_kv_heads,
+                head_dim=kv.head_dim, block_size=block_size)
         if kernels is not None:
             fused = fuse_modules(model, kernels)
             logger.info("fused CPU kernels: %d RMSNorm and %d gated-SiLU MLP modules", fused["rms_norm"],
