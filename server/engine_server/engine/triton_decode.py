@@ -39,65 +39,14 @@ TILE_ELEMENTS = 8192
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int,
                          float, torch.Tensor], None]
 
-_kernel: Any = None  # the Triton function, made on first use (importing triton costs ~1 s)
-
-
-def _paged_decode_source() -> Any:
-    """The kernel's Python source, as a function Triton compiles (or interprets)."""
-    import triton.language as tl
-
-    def paged_decode(q_ptr: Any, k_ptr: Any, v_ptr: Any, tables_ptr: Any, lens_ptr: Any, out_ptr: Any,
-                     scale: Any, softcap: Any, window: Any, stride_table: Any, stride_block: Any,
-                     stride_pos: Any, stride_head: Any, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-                     BLOCK_D: tl.constexpr, TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr) -> None:
-        seq = tl.program_id(0)
-        head = tl.program_id(1)
-        length = tl.load(lens_ptr + seq)
-        start = tl.where(window > 0, tl.maximum(length - window, 0), 0)
-        g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, BLOCK_D)
-        gd_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-        # q and out: [n, kv_heads, group, d], contiguous
-        row = (seq * KV_HEADS + head) * GROUP * HEAD_DIM + g[:, None] * HEAD_DIM + d[None, :]
-        q = tl.load(q_ptr + row, mask=gd_mask, other=0.0).to(tl.float32) * scale
-        top = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for first in range(start, length, TILE):
-            pos = first + tl.arange(0, TILE)
-            live = pos < length
-            block = tl.load(tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=live, other=0)
-            cell = block * stride_block + (pos % BLOCK_SIZE) * stride_pos + head * stride_head
-            kv_mask = live[:, None] & (d[None, :] < HEAD_DIM)
-            k = tl.load(k_ptr + cell[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, TILE]
-            if USE_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp -> 0, inf)
-                scores = (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0)) * softcap
-            scores = tl.where(live[None, :], scores, float("-inf"))
-            new_top = tl.maximum(top, tl.max(scores, axis=1))
-            rescale = tl.exp(top - new_top)  # 0 on the first tile (top = -inf)
-            p = tl.exp(scores - new_top[:, None])
-            total = total * rescale + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + cell[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            top = new_top
-        result = acc / total[:, None]
-        tl.store(out_ptr + row, result.to(out_ptr.dtype.element_ty), mask=gd_mask)
-
-    return paged_decode
-
 
 def _triton_kernel(on_cpu: bool) -> Any:
-    global _kernel
-    if _kernel is None:
-        import triton
+    from engine_server.engine.triton_decode_kernel import paged_decode
 
-        _kernel = triton.jit(_paged_decode_source())
-    if on_cpu and not _interpreted(_kernel):
+    if on_cpu and not _interpreted(paged_decode):
         raise ValueError("paged_decode_attention: CPU tensors run only in Triton's interpreter "
                          "(TRITON_INTERPRET=1 set before triton is imported)")
-    return _kernel
+    return paged_decode
 
 
 def _interpreted(kernel: Any) -> bool:
@@ -168,7 +117,7 @@ def load(device: torch.device, dtype: torch.dtype, *, kv_heads: int, group: int,
         logger.info("%s=0: decode attention on %s stays on the torch path", DISABLE_ENV, device)
         return None
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (installed with torch on Linux; optional elsewhere)
     except ImportError:
         logger.info("triton is not installed: decode attention on %s stays on the torch path", device)
         return None
