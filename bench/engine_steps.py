@@ -79,7 +79,8 @@ def main() -> int:
     if args.cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(True)
     timed_steps(engine, args.device, 4, 4, "warm")
-    print(f"model {model} on {args.device}; prompts {PROMPT_LEN} tokens, {args.output} generated each")
+    print(f"model {model} on {args.device}; prompts {PROMPT_LEN} tokens, {args.output} generated each; "
+          f"decode attention: {decode_path(engine)}")
     print("| sequences | prefill steps | prefill ms (mean) | decode steps | decode ms p50 | decode ms min | "
           "decode us / token |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
@@ -91,6 +92,13 @@ def main() -> int:
     if args.profile:
         profile_decode(engine, args.device, max(seqs))
     return 0
+
+
+def decode_path(engine: LLMEngine) -> str:
+    kernel = engine.runner.decode_kernel if engine.runner is not None else None
+    if kernel is None:
+        return "torch (gathered groups + SDPA)"
+    return f"{getattr(kernel, '__module__', None) or 'compiled'} kernel"
 
 
 def profile_decode(engine: LLMEngine, device: str, num_seqs: int) -> None:
