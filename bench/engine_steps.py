@@ -95,10 +95,12 @@ def main() -> int:
 
 
 def decode_path(engine: LLMEngine) -> str:
-    kernel = engine.runner.decode_kernel if engine.runner is not None else None
-    if kernel is None:
-        return "torch (gathered groups + SDPA)"
-    return f"{getattr(kernel, '__module__', None) or 'compiled'} kernel"
+    runner = engine.runner
+    kernel = runner.decode_kernel if runner is not None else None
+    graphs = runner is not None and runner.decode_graphs is not None and runner.decode_graphs.is_captured
+    name = ("torch (gathered groups + SDPA)" if kernel is None
+            else f"{getattr(kernel, '__module__', None) or 'compiled'} kernel")
+    return f"{name}, CUDA graphs: {'yes' if graphs else 'no'}"
 
 
 def profile_decode(engine: LLMEngine, device: str, num_seqs: int) -> None:

@@ -9,7 +9,8 @@
 # next one.
 #
 # Usage: OUT=/tmp/out bench/gpu_check.sh [tests] [steps] [bench]      (default: all three)
-#   steps: engine step times on $SPEC with the Triton decode kernel and without it (ENGINE_TRITON_DECODE=0)
+#   steps: engine step times on $SPEC as shipped (Triton decode kernel, CUDA graphs for decode steps), without
+#          the graphs (ENGINE_CUDA_GRAPHS=0) and without either (ENGINE_TRITON_DECODE=0)
 # Env: DEVICE (cuda), SPEC (bench-llama-1b), CONCURRENCY (1,16,64,256), SERVERS (grpc,grpc-ids,sse,inproc),
 #      SERVER_CORES (0,1), CLIENT_CORE (2), WHEELS (.whl)
 set -u
@@ -48,10 +49,12 @@ if [[ " $STAGES " == *" steps "* || " $STAGES " == *" bench "* ]]; then
 fi
 
 if [[ " $STAGES " == *" steps "* ]]; then
-  for triton in 1 0; do
-    echo "== engine steps on $DEVICE, ENGINE_TRITON_DECODE=$triton"
-    ENGINE_TRITON_DECODE=$triton timeout 150 python3 bench/engine_steps.py --model "$models/$SPEC" \
-      --device "$DEVICE" --seqs 1,16,64,256 --output 32 2>&1 | tee "$OUT/steps-triton$triton.txt" | tail -8
+  for variant in "1 1" "1 0" "0 0"; do
+    read -r triton graphs <<< "$variant"
+    echo "== engine steps on $DEVICE, ENGINE_TRITON_DECODE=$triton ENGINE_CUDA_GRAPHS=$graphs"
+    ENGINE_TRITON_DECODE=$triton ENGINE_CUDA_GRAPHS=$graphs timeout 150 python3 bench/engine_steps.py \
+      --model "$models/$SPEC" --device "$DEVICE" --seqs 1,16,64,256 --output 32 2>&1 \
+      | tee "$OUT/steps-triton$triton-graphs$graphs.txt" | tail -8
   done
 fi
 

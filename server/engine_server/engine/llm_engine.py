@@ -69,7 +69,8 @@ class LLMEngine:
         if loaded.info.task == "generate" and loaded.kv is not None:
             self.runner = ModelRunner(loaded.model, kv=loaded.kv, num_blocks=loaded.info.num_kv_blocks,
                                       block_size=loaded.info.block_size, dtype=loaded.dtype,
-                                      device=loaded.device)
+                                      device=loaded.device, max_num_seqs=config.max_num_seqs,
+                                      max_model_len=loaded.info.max_model_len)
             self.runner.check_model()
         self.sampler = Sampler(vocab_size=loaded.info.vocab_size, eos_token_ids=loaded.info.eos_token_ids)
         info = loaded.info

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_server.engine import cpu_kernels, triton_decode
+from engine_server.engine import cpu_kernels, decode_graphs, triton_decode
 from engine_server.engine.attention import DecodeBatch, DecodeGroup, PagedMetadata, PrefillChunk
+from engine_server.engine.decode_graphs import DecodeGraphs
 from engine_server.engine.fused_modules import fuse_modules
 from engine_server.engine.loader import KVShape
 from engine_server.engine.scheduler import ScheduledSeq
@@ -31,7 +32,8 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, kv: KVShape, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, max_num_seqs: int = 256,
+                 max_model_len: int = 2048) -> None:
         self.model = model
         self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.block_size = block_size
@@ -57,10 +59,21 @@ class ModelRunner:
             fused = fuse_modules(model, kernels)
             logger.info("fused CPU kernels: %d RMSNorm and %d gated-SiLU MLP modules", fused["rms_norm"],
                         fused["silu_mlp"])
+        # NOTE: one block more than the block manager hands out: the padding rows of a CUDA-graph decode step
+        # read and write only that one (decode_graphs.py)
+        self.spare_block = num_blocks
+        shape = (num_blocks + 1, *shape[1:])
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(kv.num_layers)
         ]
+        self.decode_graphs: DecodeGraphs | None = None
+        if (device.type == "cuda" and self.decode_kernel is not None and self._has_logits_to_keep
+                and decode_graphs.enabled()):
+            graphs = DecodeGraphs(model, kv_caches=self.kv_caches, kernel=self.decode_kernel,
+                                  max_batch=max_num_seqs, max_blocks=-(-max_model_len // block_size),
+                                  block_size=block_size, spare_block=self.spare_block, device=device)
+            self.decode_graphs = graphs if graphs.capture() else None
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         size = self.block_size
@@ -72,6 +85,10 @@ class ModelRunner:
         # NOTE: single-token queries (decodes, and 1-token chunks) go first so they share one SDPA call.
         # Sorted by context length so that each decode group pads little.
         decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
+        graphs = self.decode_graphs
+        if graphs is not None and len(decodes) == len(scheduled) and graphs.fits(decodes):
+            rows = {s.seq.seq_id: i for i, s in enumerate(decodes)}
+            return StepLogits(graphs.run(decodes).float(), rows, {}), decodes
         # First chunks of equal length side by side: each run of them is one batched attention call.
         prefills = sorted((s for s in scheduled if s.num_new_tokens > 1),
                           key=lambda s: (s.start > 0, s.num_new_tokens))
