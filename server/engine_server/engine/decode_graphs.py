@@ -39,8 +39,7 @@ def enabled() -> bool:
 
 
 class DecodeGraphs:
-    """Static decode-step buffers for up to `max_batch` sequences, and a CUDA graph per bucket once captured.
-    """
+    """Static decode-step buffers for up to `max_batch` sequences; a CUDA graph per bucket once captured."""
 
     def __init__(self, model: torch.nn.Module, *, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  kernel: Callable[..., None], max_batch: int, max_blocks: int, block_size: int,
