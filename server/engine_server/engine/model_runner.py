@@ -38,7 +38,6 @@ class ModelRunner:
         self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, kv.num_kv_heads, kv.head_dim)
         if device.type == "cuda":
             # NOTE: cuDNN's SDPA backend builds an execution plan for every new shape (hundreds of ms for the
             # first call of a shape on an H200), and a continuously batched engine changes its attention
@@ -51,18 +50,17 @@ class ModelRunner:
         self.decode_kernel: Callable[..., None] | None = None
         if kernels is not None:
             self.decode_kernel = kernels.paged_decode_attention
+            fused = fuse_modules(model, kernels)
+            logger.info("fused CPU kernels: %d RMSNorm and %d gated-SiLU MLP modules", fused["rms_norm"],
+                        fused["silu_mlp"])
         elif device.type == "cuda":
             self.decode_kernel = triton_decode.load(
                 device, dtype, kv_heads=kv.num_kv_heads, group=kv.num_heads // kv.num_kv_heads,
                 head_dim=kv.head_dim, block_size=block_size)
-        if kernels is not None:
-            fused = fuse_modules(model, kernels)
-            logger.info("fused CPU kernels: %d RMSNorm and %d gated-SiLU MLP modules", fused["rms_norm"],
-                        fused["silu_mlp"])
         # NOTE: one block more than the block manager hands out: the padding rows of a CUDA-graph decode step
         # read and write only that one (decode_graphs.py)
         self.spare_block = num_blocks
-        shape = (num_blocks + 1, *shape[1:])
+        shape = (num_blocks + 1, block_size, kv.num_kv_heads, kv.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(kv.num_layers)
