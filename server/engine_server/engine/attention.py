@@ -7,9 +7,11 @@ Each layer first writes this step's K/V into the paged cache (slot mapping), the
   paged cache in place (on CPU the engine's compiled one, engine/csrc/; on CUDA its Triton one,
   engine/triton_decode.py); where neither is available, their contexts are gathered into padded groups with
   a key mask and one SDPA call per group;
-- prefill chunks one sequence at a time, with a causal mask offset by the cached context; chunks that start
-  their sequences and have the same length (a burst of equal-length prompts) laid out back to back are one
-  batched causal SDPA call.
+- on CPU, the tokens of short prefill chunks in that same kernel call, each token a query row over its
+  sequence's positions up to its own (model_runner.KERNEL_PREFILL_MAX_CONTEXT says how short);
+- other prefill chunks one sequence at a time, with a causal mask offset by the cached context; chunks that
+  start their sequences and have the same length (a burst of equal-length prompts) laid out back to back are
+  one batched causal SDPA call.
 Unlike a block-diagonal mask over the whole batch, the cost stays linear in the batch size.
 
 Sliding windows (the `sliding_window` kwarg of Mistral, Qwen2, Gemma2/3 layers) are applied as
@@ -56,7 +58,9 @@ class DecodeGroup:
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """Single-token queries of every decoding sequence, for the compiled kernel (cpu_kernels.py)."""
+    """Query rows for the paged kernel (cpu_kernels.py, triton_decode.py), each attending its sequence's
+    first context_lens[i] positions: every decoding sequence's token, and on CPU each token of short
+    prefill chunks."""
 
     q_start: int
     q_end: int

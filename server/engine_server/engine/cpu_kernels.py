@@ -55,6 +55,9 @@ class CpuKernels(Protocol):
 
     def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None: ...
 
+    def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         q_out: torch.Tensor, k_out: torch.Tensor) -> None: ...
+
     def isa(self) -> str: ...  # "avx512" or "portable"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -11,14 +12,20 @@ import torch
 
 from engine_server.engine import cpu_kernels, decode_graphs, triton_decode
 from engine_server.engine.attention import DecodeBatch, DecodeGroup, PagedMetadata, PrefillChunk
+from engine_server.engine.cpu_kernels import CpuKernels
 from engine_server.engine.decode_graphs import DecodeGraphs
-from engine_server.engine.fused_modules import fuse_modules
+from engine_server.engine.fused_modules import fuse_modules, rotary_kernel_active
 from engine_server.engine.loader import KVShape
 from engine_server.engine.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)
 
 DECODE_GROUP_MIN = 8  # fewer sequences than this are not worth their own SDPA call
+# On CPU, prefill chunks whose context (start + new tokens) is at most this many positions are attended by the
+# decode kernel too, one query row per token: at ~100 positions it took 0.6x (head_dim 16) to 0.85x (head_dim
+# 128) of SDPA's time (flash attention's tiles are mostly padding there, and a continuation chunk's SDPA needs
+# its context gathered and an explicit mask); from ~250 (head_dim 16) or ~380 (head_dim 128) SDPA was faster.
+KERNEL_PREFILL_MAX_CONTEXT = 192
 
 
 @dataclass(slots=True)
@@ -48,11 +55,15 @@ class ModelRunner:
         # CUDA through its Triton kernel (once it has matched torch on this device); else gather + SDPA.
         kernels = cpu_kernels.load() if device.type == "cpu" else None
         self.decode_kernel: Callable[..., None] | None = None
+        self._kernel_prefill_max = 0  # prefill chunks the decode kernel attends: contexts up to this long
+        self._rotary_kernels: CpuKernels | None = None  # where its forward passes rotate with the kernel
         if kernels is not None:
             self.decode_kernel = kernels.paged_decode_attention
+            self._kernel_prefill_max = KERNEL_PREFILL_MAX_CONTEXT
             fused = fuse_modules(model, kernels)
-            logger.info("fused CPU kernels: %d RMSNorm and %d gated-SiLU MLP modules", fused["rms_norm"],
-                        fused["silu_mlp"])
+            self._rotary_kernels = kernels if fused["rotary"] else None
+            logger.info("fused CPU kernels: %d RMSNorm and %d gated-SiLU MLP modules, rotary embedding in %d "
+                        "modeling files", fused["rms_norm"], fused["silu_mlp"], fused["rotary"])
         elif device.type == "cuda":
             self.decode_kernel = triton_decode.load(
                 device, dtype, kv_heads=kv.num_kv_heads, group=kv.num_heads // kv.num_kv_heads,
@@ -87,9 +98,12 @@ class ModelRunner:
         if graphs is not None and len(decodes) == len(scheduled) and graphs.fits(decodes):
             rows = {s.seq.seq_id: i for i, s in enumerate(decodes)}
             return StepLogits(graphs.run(decodes).float(), rows, {}), decodes
-        # First chunks of equal length side by side: each run of them is one batched attention call.
+        # Short chunks right after the decodes (the kernel's rows are one contiguous run); then first chunks
+        # of equal length side by side: each run of them is one batched attention call.
+        limit = self._kernel_prefill_max
         prefills = sorted((s for s in scheduled if s.num_new_tokens > 1),
-                          key=lambda s: (s.start > 0, s.num_new_tokens))
+                          key=lambda s: (s.start + s.num_new_tokens > limit, s.start > 0, s.num_new_tokens))
+        kernel_rows = decodes + [s for s in prefills if s.start + s.num_new_tokens <= limit]
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -103,7 +117,7 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq.block_table, start, end))
-            if s.num_new_tokens > 1:
+            if s.num_new_tokens > 1 and end > limit:
                 self._add_prefill_chunk(chunks, s, q_start)
             if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
                 # position p's logits score prompt token p + 1
@@ -118,8 +132,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             prefills=chunks,
         )
-        if decodes and self.decode_kernel is not None:
-            meta.decode_batch = self._decode_batch(decodes, self.decode_kernel)
+        if kernel_rows and self.decode_kernel is not None:
+            meta.decode_batch = self._decode_batch(kernel_rows, self.decode_kernel)
         else:
             group_start = 0
             for group_end in self._decode_group_ends(decodes):
@@ -128,12 +142,14 @@ class ModelRunner:
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
-        if self._has_logits_to_keep:
-            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_t,
-                                paged_metadata=meta).logits[0]
-        else:  # an older model class: project every position, then pick
-            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
-                                paged_metadata=meta).logits[0].index_select(0, keep_t)
+        rotary = self._rotary_kernels
+        with rotary_kernel_active(rotary) if rotary is not None else contextlib.nullcontext():
+            if self._has_logits_to_keep:
+                logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_t,
+                                    paged_metadata=meta).logits[0]
+            else:  # an older model class: project every position, then pick
+                logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                                    paged_metadata=meta).logits[0].index_select(0, keep_t)
         return StepLogits(logits.float(), sample_rows, prompt_rows), decodes + prefills
 
     def check_model(self) -> None:
@@ -190,18 +206,24 @@ class ModelRunner:
                 first = i
         return ends
 
-    def _decode_tables(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context lengths [n] and block tables [n, max_blocks] (padded with block 0) of decode tokens."""
-        context_lens = [s.start + 1 for s in decodes]
-        max_blocks = -(-max(context_lens) // self.block_size)
+    def _decode_tables(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context lengths [n] and block tables [n, max_blocks] (padded with block 0) of the query rows of
+        `seqs`, one per new token: a decode's one, or each token of a chunk (attending up to itself)."""
+        context_lens: list[int] = []
+        for s in seqs:
+            context_lens.extend(range(s.start + 1, s.start + s.num_new_tokens + 1))
+        max_blocks = -(-max(s.start + s.num_new_tokens for s in seqs) // self.block_size)
         tables = [s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
-                  for s in decodes]
-        return (torch.tensor(context_lens, dtype=torch.long, device=self.device),
-                torch.tensor(tables, dtype=torch.long, device=self.device).view(len(decodes), max_blocks))
+                  for s in seqs]
+        tables_t = torch.tensor(tables, dtype=torch.long, device=self.device).view(len(seqs), max_blocks)
+        if len(context_lens) > len(seqs):  # a sequence's table for each of its rows
+            rows = torch.tensor([s.num_new_tokens for s in seqs], dtype=torch.long, device=self.device)
+            tables_t = tables_t.repeat_interleave(rows, dim=0)
+        return torch.tensor(context_lens, dtype=torch.long, device=self.device), tables_t
 
-    def _decode_batch(self, decodes: list[ScheduledSeq], kernel: Callable[..., None]) -> DecodeBatch:
-        context_lens, tables = self._decode_tables(decodes)
-        return DecodeBatch(q_start=0, q_end=len(decodes), block_tables=tables, context_lens=context_lens,
+    def _decode_batch(self, seqs: list[ScheduledSeq], kernel: Callable[..., None]) -> DecodeBatch:
+        context_lens, tables = self._decode_tables(seqs)
+        return DecodeBatch(q_start=0, q_end=len(context_lens), block_tables=tables, context_lens=context_lens,
                            kernel=kernel)
 
     def _decode_group(self, decodes: list[ScheduledSeq], first: int, end: int) -> DecodeGroup:

@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over a paged KV cache (CPU)");
   m.def("rms_norm", &engine_kernels::rms_norm, "Llama-style RMSNorm over the last dim (CPU)");
   m.def("silu_and_mul", &engine_kernels::silu_and_mul, "T(silu(gate)) * up (CPU)");
+  m.def("rotary_embedding", &engine_kernels::rotary_embedding,
+        "q * cos + rotate_half(q) * sin for q and k, as transformers' apply_rotary_pos_emb (CPU)");
   m.def("isa", [] {
 #if defined(ENGINE_AVX512)
     return "avx512";

@@ -88,6 +88,47 @@ void silu_mul(const T* gate, const T* up, T* out, int64_t count) {
   });
 }
 
+// One [b, heads, t, d] tensor: each row (b, h, t) rotated with row (b, t) of cos and sin.
+template <typename T>
+void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  const int64_t heads = x.size(1), len = x.size(2), half = x.size(3) / 2;
+  // strides read once (Tensor::stride() is a call with a dim check, per row it cost more than the row)
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), xs2 = x.stride(2), cs0 = cos.stride(0), cs1 = cos.stride(1);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1), os2 = out.stride(2);
+  const T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, x.size(0) * heads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t bh = first; bh < last; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      for (int64_t t = 0; t < len; ++t) {
+        const T* xr = xp + b * xs0 + h * xs1 + t * xs2;
+        const T* c = cp + b * cs0 + t * cs1;
+        const T* s = sp + b * cs0 + t * cs1;  // sin has cos's strides (checked)
+        T* o = op + b * os0 + h * os1 + t * os2;
+        for (int64_t e = 0; e < half; ++e) {  // rotate_half(x) = cat(-x2, x1)
+          const float x1 = static_cast<float>(xr[e]), x2 = static_cast<float>(xr[e + half]);
+          o[e] = static_cast<T>(round_scalar<T>(x1 * static_cast<float>(c[e])) +
+                                round_scalar<T>(-x2 * static_cast<float>(s[e])));
+          o[e + half] = static_cast<T>(round_scalar<T>(x2 * static_cast<float>(c[e + half])) +
+                                       round_scalar<T>(x1 * static_cast<float>(s[e + half])));
+        }
+      }
+    }
+  });
+}
+
+void check_rotary_operand(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "rotary_embedding: CPU tensors expected");
+  TORCH_CHECK(x.dim() == 4 && out.sizes() == x.sizes() && x.stride(3) == 1 && out.stride(3) == 1,
+              "rotary_embedding: [b, heads, t, d] tensors with unit stride along d expected");
+  TORCH_CHECK(x.size(0) == cos.size(0) && x.size(2) == cos.size(1) && x.size(3) == cos.size(2) && x.size(3) % 2 == 0,
+              "rotary_embedding: cos and sin must be [b, t, d] for [b, heads, t, d] inputs (d even)");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && out.scalar_type() == cos.scalar_type(),
+              "rotary_embedding: one dtype expected");
+}
+
 void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
   TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.scalar_type() == b.scalar_type(), what,
               ": contiguous tensors of one dtype expected");
@@ -112,6 +153,19 @@ void silu_and_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out)
   TORCH_CHECK(gate.numel() == up.numel() && gate.numel() == out.numel(), "silu_and_mul: shapes");
   ENGINE_DISPATCH_MODEL_DTYPES(gate.scalar_type(), "silu_and_mul", [&] {
     silu_mul<scalar_t>(gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate.numel());
+  });
+}
+
+void rotary_embedding(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& q_out, at::Tensor& k_out) {
+  TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.stride(2) == 1 && sin.stride(2) == 1 &&
+                  cos.strides() == sin.strides() && cos.device().is_cpu() && sin.device().is_cpu(),
+              "rotary_embedding: cos and sin: [b, t, d] CPU tensors, unit stride along d");
+  check_rotary_operand(q, q_out, cos);
+  check_rotary_operand(k, k_out, cos);
+  ENGINE_DISPATCH_MODEL_DTYPES(q.scalar_type(), "rotary_embedding", [&] {
+    rotate_rows<scalar_t>(q, cos, sin, q_out);
+    rotate_rows<scalar_t>(k, cos, sin, k_out);
   });
 }
 

@@ -19,4 +19,10 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
 // out = T(silu(gate)) * up, the gated MLP's activation (fused_ops.cpp).
 void silu_and_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 
+// q_out = q * cos + rotate_half(q) * sin, k_out likewise: transformers' apply_rotary_pos_emb (each product
+// rounded to the model dtype, then the sum) in one pass (fused_ops.cpp). q, k, q_out, k_out: [b, heads, t, d]
+// with unit stride along d (any other strides); cos, sin: [b, t, d], unit stride along d.
+void rotary_embedding(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& q_out, at::Tensor& k_out);
+
 }  // namespace engine_kernels
