@@ -41,14 +41,27 @@ struct Scratch {
   std::vector<float> q, scores, row, acc;
 };
 
+// Asks for a cache block's rows ahead of their use. Blocks are scattered: with small heads the hardware
+// prefetcher saw too little of each block to start, and every cache line was a miss waited for (on a 2-vCPU
+// AMD EPYC, 256 sequences of 150 positions with 2 kv heads of 16: ~115 ns per position with the cache
+// cold, ~45 ns with it warm).
+template <typename T>
+inline void prefetch_block(const T* cache, const Args<T>& a, int64_t block) {
+  const int64_t bytes = a.block_size * a.kv_heads * a.d * static_cast<int64_t>(sizeof(T));
+  const char* p = reinterpret_cast<const char*>(cache + block * a.block_size * a.kv_heads * a.d);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 3);
+}
+
 // Calls fn(pos, row of kv head h) for pos in [start, len), walking the block table one block at a time
-// (a division per position cost more than the arithmetic of its attention).
+// (a division per position cost more than the arithmetic of its attention), the next block prefetched.
 template <typename T, typename Fn>
 inline void for_each_row(const T* cache, const Args<T>& a, const int64_t* table, int64_t start, int64_t len,
                          int64_t h, Fn&& fn) {
   const int64_t row = a.kv_heads * a.d;
+  const int64_t last_block = (len - 1) / a.block_size;
   for (int64_t pos = start; pos < len;) {
     const int64_t block = pos / a.block_size, end = std::min(len, (block + 1) * a.block_size);
+    if (block < last_block) prefetch_block(cache, a, table[block + 1]);
     const T* p = cache + (table[block] * a.block_size + pos - block * a.block_size) * row + h * a.d;
     for (; pos < end; ++pos, p += row) fn(pos, p);
   }
