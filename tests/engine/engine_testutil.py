@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.llm_engine import LLMEngine
-from engine_server.engine.types import CompletionDelta, EngineRequest, FinishReason
+from engine_server.engine.types import CompletionDelta, EngineRequest, FinishReason, SamplingParams
 
 # The engine tests run on the CPU; `ENGINE_TEST_DEVICE=cuda` runs the same tests (engines and references) on a
 # GPU where one is lent (the CUDA path: the Triton decode kernel instead of the CPU one, or padded SDPA decode
@@ -82,6 +82,20 @@ def reference_greedy(model: Any, prompts: list[list[int]], max_tokens: list[int]
                 tokens = tokens[:tokens.index(eos_id) + 1]
             out[i] = tokens
     return out
+
+
+def assert_greedy_like_transformers(engine: LLMEngine, ref_model: Any, lengths: tuple[int, ...], *, seed: int,
+                                    max_tokens: int) -> None:
+    """Random prompts of these lengths, decoded greedily by the engine (all added at once): each request's
+    tokens are what transformers' generate gives."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 1000) for _ in range(length)] for length in lengths]
+    requests = [EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=max_tokens))
+                for i, p in enumerate(prompts)]
+    got = run(engine, requests)
+    want = reference_greedy(ref_model, prompts, [max_tokens] * len(prompts), eos_id=1)
+    for i, expected in enumerate(want):
+        assert got.tokens[(f"r{i}", 0)] == expected, f"request r{i}"
 
 
 KERNEL_VARIANTS = ("native", "no-avx512", "portable")

@@ -6,7 +6,6 @@ Random paged caches with scattered block tables; GQA groups, a head size that is
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ import torch
 from engine_server.engine import attention, cpu_kernels, model_runner
 from engine_server.engine.attention import DecodeBatch, PagedMetadata, paged_attention_forward
 from engine_server.engine.llm_engine import LLMEngine
-from engine_server.engine.types import EngineRequest, SamplingParams
 from engine_testutil import (
     DECODE_BLOCK,
     DECODE_CASES,
@@ -24,12 +22,11 @@ from engine_testutil import (
     DECODE_LENS,
     DEVICE,
     KERNEL_VARIANTS,
+    assert_greedy_like_transformers,
     cpu_kernel_variant,
     decode_case,
     engine_config,
     float64_decode_attention,
-    reference_greedy,
-    run,
 )
 
 
@@ -128,15 +125,8 @@ def test_engine_attends_short_prefill_chunks_with_the_kernel(model_dir: Path, re
         kernel(*args)
 
     engine.runner.decode_kernel = counting_kernel
-    rng = random.Random(5)
-    lengths = (150, 250, 20, 33)  # 64-token chunks: 150 entirely in the kernel, 250's last chunk on SDPA
-    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
-    requests = [EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=5))
-                for i, p in enumerate(prompts)]
-    got = run(engine, requests)
-    want = reference_greedy(ref_model, prompts, [5] * len(prompts), eos_id=1)
-    for i, expected in enumerate(want):
-        assert got.tokens[(f"r{i}", 0)] == expected, f"request r{i}"
+    # 64-token chunks: the 150-token prompt entirely in the kernel, the 250-token one's last chunk on SDPA
+    assert_greedy_like_transformers(engine, ref_model, (150, 250, 20, 33), seed=5, max_tokens=5)
     assert sdpa_key_lens
     assert min(sdpa_key_lens) > model_runner.KERNEL_PREFILL_MAX_CONTEXT
     assert any(rows > tables for rows, tables in rows_per_call)  # several rows of one sequence: a chunk's

@@ -3,7 +3,6 @@ per sequence."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +11,7 @@ import torch
 from engine_server.engine import attention, model_runner
 from engine_server.engine.attention import PagedMetadata, PrefillChunk, paged_attention_forward
 from engine_server.engine.llm_engine import LLMEngine
-from engine_server.engine.types import EngineRequest, SamplingParams
-from engine_testutil import DEVICE, engine_config, reference_greedy, run
+from engine_testutil import DEVICE, assert_greedy_like_transformers, engine_config
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 8
 
@@ -63,18 +61,10 @@ def test_engine_batches_equal_length_prompts_and_matches_generate(
     monkeypatch.setattr(attention, "_first_chunks", spy)
     # on CPU, chunks this short go to the decode kernel; this test is about the SDPA path's batching
     monkeypatch.setattr(model_runner, "KERNEL_PREFILL_MAX_CONTEXT", 0)
-    rng = random.Random(3)
+    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=128, max_num_batched_tokens=512))
     # lengths 20 (x4, interleaved with others: the runner lays them out side by side) and 33 (x2) are
     # batched; 7 and 35 run alone
-    lengths = (20, 20, 20, 33, 7, 20, 33, 35)
-    prompts = [[rng.randrange(3, 1000) for _ in range(length)] for length in lengths]
-    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=128, max_num_batched_tokens=512))
-    requests = [EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=6))
-                for i, p in enumerate(prompts)]
-    got = run(engine, requests)
-    want = reference_greedy(ref_model, prompts, [6] * len(prompts), eos_id=1)
-    for i, expected in enumerate(want):
-        assert got.tokens[(f"r{i}", 0)] == expected, f"request r{i}"
+    assert_greedy_like_transformers(engine, ref_model, (20, 20, 20, 33, 7, 20, 33, 35), seed=3, max_tokens=6)
     assert engine.runner is not None
     num_layers = len(engine.runner.kv_caches)
     assert sorted(batch_sizes) == [2] * num_layers + [4] * num_layers
