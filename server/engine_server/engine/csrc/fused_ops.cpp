@@ -88,6 +88,43 @@ void silu_mul(const T* gate, const T* up, T* out, int64_t count) {
   });
 }
 
+// One row: out = x * c + rotate_half(x) * s, rotate_half(x) = cat(-x2, x1) for the halves x1, x2 of x; each
+// product rounded to T, then the sum (as torch computes it in a T model).
+template <typename T>
+inline void rotate_row(const T* x, const T* c, const T* s, T* out, int64_t half) {
+#ifdef ENGINE_AVX512
+  for (int64_t e = 0; e < half; e += 16) {
+    const __mmask16 m = lanes(half - e);
+    const __m512 x1 = load16(x + e, m), x2 = load16(x + half + e, m);
+    const __m512 lo = _mm512_sub_ps(round_as<T>(_mm512_mul_ps(x1, load16(c + e, m))),
+                                    round_as<T>(_mm512_mul_ps(x2, load16(s + e, m))));
+    const __m512 hi = _mm512_add_ps(round_as<T>(_mm512_mul_ps(x2, load16(c + half + e, m))),
+                                    round_as<T>(_mm512_mul_ps(x1, load16(s + half + e, m))));
+    store16(out + e, lo, m);
+    store16(out + half + e, hi, m);
+  }
+#elif defined(ENGINE_AVX2)
+  for (int64_t e = 0; e < half; e += 8) {
+    const int64_t left = half - e;
+    const __m256 x1 = load8(x + e, left), x2 = load8(x + half + e, left);
+    const __m256 lo = _mm256_sub_ps(round_as8<T>(_mm256_mul_ps(x1, load8(c + e, left))),
+                                    round_as8<T>(_mm256_mul_ps(x2, load8(s + e, left))));
+    const __m256 hi = _mm256_add_ps(round_as8<T>(_mm256_mul_ps(x2, load8(c + half + e, left))),
+                                    round_as8<T>(_mm256_mul_ps(x1, load8(s + half + e, left))));
+    store8(out + e, lo, left);
+    store8(out + half + e, hi, left);
+  }
+#else
+  for (int64_t e = 0; e < half; ++e) {
+    const float x1 = static_cast<float>(x[e]), x2 = static_cast<float>(x[e + half]);
+    out[e] = static_cast<T>(round_scalar<T>(x1 * static_cast<float>(c[e])) +
+                            round_scalar<T>(-x2 * static_cast<float>(s[e])));
+    out[e + half] = static_cast<T>(round_scalar<T>(x2 * static_cast<float>(c[e + half])) +
+                                   round_scalar<T>(x1 * static_cast<float>(s[e + half])));
+  }
+#endif
+}
+
 // One [b, heads, t, d] tensor: each row (b, h, t) rotated with row (b, t) of cos and sin.
 template <typename T>
 void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
@@ -107,13 +144,7 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
         const T* c = cp + b * cs0 + t * cs1;
         const T* s = sp + b * cs0 + t * cs1;  // sin has cos's strides (checked)
         T* o = op + b * os0 + h * os1 + t * os2;
-        for (int64_t e = 0; e < half; ++e) {  // rotate_half(x) = cat(-x2, x1)
-          const float x1 = static_cast<float>(xr[e]), x2 = static_cast<float>(xr[e + half]);
-          o[e] = static_cast<T>(round_scalar<T>(x1 * static_cast<float>(c[e])) +
-                                round_scalar<T>(-x2 * static_cast<float>(s[e])));
-          o[e + half] = static_cast<T>(round_scalar<T>(x2 * static_cast<float>(c[e + half])) +
-                                       round_scalar<T>(x1 * static_cast<float>(s[e + half])));
-        }
+        rotate_row(xr, c, s, o, half);
       }
     }
   });
