@@ -149,7 +149,6 @@ def _fuse_rotary(modeling_name: str, dtype: torch.dtype, kernels: CpuKernels) ->
     return True
 
 
-
 def _swap(module: torch.nn.Module, fused: Any) -> bool:
     """Installs `fused` as the module's forward if it reproduces the module's own on a probe."""
     param = next(module.parameters())

@@ -101,9 +101,13 @@ class ModelRunner:
         # Short chunks right after the decodes (the kernel's rows are one contiguous run); then first chunks
         # of equal length side by side: each run of them is one batched attention call.
         limit = self._kernel_prefill_max
+
+        def in_kernel(s: ScheduledSeq) -> bool:  # a prefill chunk the kernel attends
+            return s.start + s.num_new_tokens <= limit
+
         prefills = sorted((s for s in scheduled if s.num_new_tokens > 1),
-                          key=lambda s: (s.start + s.num_new_tokens > limit, s.start > 0, s.num_new_tokens))
-        kernel_rows = decodes + [s for s in prefills if s.start + s.num_new_tokens <= limit]
+                          key=lambda s: (not in_kernel(s), s.start > 0, s.num_new_tokens))
+        kernel_rows = decodes + [s for s in prefills if in_kernel(s)]
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -117,7 +121,7 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq.block_table, start, end))
-            if s.num_new_tokens > 1 and end > limit:
+            if s.num_new_tokens > 1 and not in_kernel(s):
                 self._add_prefill_chunk(chunks, s, q_start)
             if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
                 # position p's logits score prompt token p + 1
