@@ -54,14 +54,18 @@ inline void prefetch_block(const T* cache, const Args<T>& a, int64_t block) {
 
 // Calls fn(pos, row of kv head h) for pos in [start, len), walking the block table one block at a time
 // (a division per position cost more than the arithmetic of its attention), the next block prefetched.
+// companion: the other cache, whose block of the same positions is prefetched as each block starts (the key
+// pass asks for the value rows the next pass reads: 256 sequences of 150 positions, cache cold, on an Intel
+// Xeon: ~28 -> ~26 ns per position, interleaved runs).
 template <typename T, typename Fn>
 inline void for_each_row(const T* cache, const Args<T>& a, const int64_t* table, int64_t start, int64_t len,
-                         int64_t h, Fn&& fn) {
+                         int64_t h, Fn&& fn, const T* companion = nullptr) {
   const int64_t row = a.kv_heads * a.d;
   const int64_t last_block = (len - 1) / a.block_size;
   for (int64_t pos = start; pos < len;) {
     const int64_t block = pos / a.block_size, end = std::min(len, (block + 1) * a.block_size);
     if (block < last_block) prefetch_block(cache, a, table[block + 1]);
+    if (companion != nullptr) prefetch_block(companion, a, table[block]);
     const T* p = cache + (table[block] * a.block_size + pos - block * a.block_size) * row + h * a.d;
     for (; pos < end; ++pos, p += row) fn(pos, p);
   }
@@ -103,7 +107,7 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
   for_each_row(a.k_cache, a, table, start, len, 0, [&](int64_t, const T* row) {
     rows[num_rows++] = row;
     if (num_rows == 16) score_rows();
-  });
+  }, a.v_cache);
   if (num_rows > 0) score_rows();
   if (a.softcap > 0) {
     for (float& x : w.scores) x = std::tanh(x / a.softcap) * a.softcap;
@@ -198,7 +202,7 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
   for_each_row(a.k_cache, a, table, start, len, 0, [&](int64_t, const T* row) {
     rows[num_rows++] = row;
     if (num_rows == 8) score_rows();
-  });
+  }, a.v_cache);
   if (num_rows > 0) score_rows();
   for (int64_t i = 0; i < heads; ++i) {
     float* si = w.scores.data() + i * sp;
