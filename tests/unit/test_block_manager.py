@@ -72,6 +72,28 @@ def test_cached_free_blocks_are_reused_on_hit_and_evicted_lru() -> None:
     assert bm.num_free_blocks == 4
 
 
+def test_a_hit_in_the_middle_of_the_free_list_keeps_the_others_in_lru_order() -> None:
+    bm = BlockManager(6, 2, enable_prefix_caching=True)
+    a = _seq(0, [1, 2, 3, 4, 5, 6])  # blocks 0, 1, 2
+    b = _seq(1, [7, 8, 9, 10])  # blocks 3, 4
+    _compute_all(bm, a)
+    _compute_all(bm, b)
+    bm.free(a)  # tails first: free order 5, 2, 1, 0
+    bm.free(b)  # then 4, 3
+    assert list(bm.free_block_ids) == [5, 2, 1, 0, 4, 3]
+    hit = _seq(2, [1, 2, 3, 4, 99])
+    cached, hashes = bm.match_prefix(hit)
+    assert cached == [0, 1]
+    bm.admit(hit, cached, hashes)
+    assert list(bm.free_block_ids) == [5, 2, 4, 3]
+    assert bm.ensure_blocks(hit, 5)  # one more block: the one freed longest ago
+    assert hit.block_table == [0, 1, 5]
+    fresh = _seq(3, [11, 12])
+    assert bm.ensure_blocks(fresh, 2)
+    assert fresh.block_table == [2]  # a's third block, evicted from the prefix cache
+    assert bm.match_prefix(_seq(4, [1, 2, 3, 4, 5, 6, 0]))[0] == [0, 1]
+
+
 def test_no_prefix_caching_means_no_hits() -> None:
     bm = BlockManager(8, 2, enable_prefix_caching=False)
     a = _seq(0, [1, 2, 3, 4, 5])

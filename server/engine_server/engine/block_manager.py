@@ -7,7 +7,7 @@ handed out again: a preempted or finished sequence's prefix stays reusable while
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from engine_server.engine.sequence import Sequence
 
@@ -25,9 +25,11 @@ class BlockManager:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
-        # NOTE: allocation pops from the left and frees append on the right, so the cached
-        # blocks freed longest ago are evicted first (LRU).
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # NOTE: allocation pops from the front and frees append at the end, so the cached blocks freed
+        # longest ago are evicted first (LRU). An ordered dict, not a deque: a prefix-cache hit on a free
+        # block takes it out of the middle, which a deque did by a scan of every free block (~5% of a step
+        # with 16k blocks when a wave of prompts hit the cache; a GPU's cache has 10x the blocks).
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
     def num_free_blocks(self) -> int:
@@ -70,7 +72,7 @@ class BlockManager:
         """Gives seq the cached blocks; the caller then calls ensure_blocks for the rest."""
         for block_id in cached_block_ids:
             if self.ref_counts[block_id] == 0:
-                self.free_block_ids.remove(block_id)
+                del self.free_block_ids[block_id]
             self.ref_counts[block_id] += 1
         seq.block_table = list(cached_block_ids)
         seq.block_hashes = list(hashes)
@@ -118,13 +120,13 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
-                self.free_block_ids.append(block_id)
+                self.free_block_ids[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
     def _take_free_block(self) -> int:
-        block_id = self.free_block_ids.popleft()
+        block_id, _ = self.free_block_ids.popitem(last=False)
         h = self.block_hash[block_id]
         if h is not None:  # evict its cached content
             if self.hash_to_block.get(h) == block_id:
