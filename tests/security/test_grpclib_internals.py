@@ -26,6 +26,9 @@ def test_hooks_exist() -> None:
         assert callable(getattr(Connection, name))
     assert "self._connection = connection" in inspect.getsource(Connection.__init__)
     assert "self._tasks" in inspect.getsource(grpclib.server.Handler.__init__)
+    # fast_path: FastPathHandler sets how often grpclib drops finished call tasks through this attribute.
+    assert "self.__gc_interval__" in inspect.getsource(grpclib.server._GC.__gc_step__)
+    assert "self.__gc_step__()" in inspect.getsource(grpclib.server.Handler.accept)
     assert "self.processor = EventsProcessor" in inspect.getsource(H2Protocol.connection_made)
     # limits: grpclib.server.Stream.recv_message is what we replace per call; it must still read the
     # 5-byte prefix through grpclib.stream.recv_message with these attributes.
