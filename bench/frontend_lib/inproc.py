@@ -17,6 +17,7 @@ import time
 from engine_server.engine.types import SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
 from engine_server.frontend.outputs import GenerateRequest
+from engine_server.gc_policy import freeze_startup_heap
 
 from frontend_lib.engine_args import add_engine_args, resolve_model, start_engine
 from frontend_lib.workload import RequestTrace, SendFn, closed_loop, cpu_seconds_self, prompt_ids, summarize
@@ -38,6 +39,9 @@ def engine_sender(engine: AsyncEngine, *, prompt: int, output: int, tag: str) ->
 
 async def main_async(args: argparse.Namespace) -> None:
     engine = await start_engine(args)
+    # NOTE: the garbage-collector policy engine-server's processes run with (gc_policy.py), so this ceiling is
+    # not lowered by collector pauses engine-server avoids
+    freeze_startup_heap()
     print(json.dumps({"ready": True, "core_pid": engine.core_pid}), flush=True)
     loop = asyncio.get_running_loop()
     run = 0

@@ -1,4 +1,5 @@
-"""gc_policy.freeze_startup_heap: start-up garbage is collected, then survivors leave the GC's walk."""
+"""gc_policy.freeze_startup_heap: start-up garbage is collected, then survivors leave the GC's walk; the young
+generations are collected at the serving thresholds, and cycles made later are still collected."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ _CHILD = textwrap.dedent("""
     assert gc.get_freeze_count() >= 1000, gc.get_freeze_count()
     tracked = {id(o) for o in gc.get_objects()}
     assert not any(id(node) in tracked for node in kept), "frozen objects are not walked any more"
+    from engine_server.gc_policy import SERVING_THRESHOLDS
+    assert gc.get_threshold() == SERVING_THRESHOLDS
+    # a cycle made while serving is found once net allocations pass the generation-0 threshold
+    later = Node(); later.self = later
+    dead_later = weakref.ref(later); del later
+    churn = [Node() for _ in range(SERVING_THRESHOLDS[0] + 1000)]
+    assert dead_later() is None, "a cycle made while serving must still be collected"
     print("ok")
 """)
 
