@@ -150,18 +150,19 @@ DECODE_DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 
 
 
 def decode_case(seed: int, *, kv_heads: int, group: int, d: int, dtype: torch.dtype,
-                lens: list[int]) -> tuple[torch.Tensor, ...]:
+                lens: list[int], block_size: int = DECODE_BLOCK) -> tuple[torch.Tensor, ...]:
     """(q, k_cache, v_cache, block tables, context lengths): random, the blocks scattered over the cache."""
     gen = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(DECODE_NUM_BLOCKS, DECODE_BLOCK, kv_heads, d, generator=gen).to(dtype)
-    v_cache = torch.randn(DECODE_NUM_BLOCKS, DECODE_BLOCK, kv_heads, d, generator=gen).to(dtype)
+    num_blocks = max(DECODE_NUM_BLOCKS, sum(-(-n // block_size) for n in lens) + 1)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen).to(dtype)
     q = torch.randn(len(lens), kv_heads, group, d, generator=gen).to(dtype)
-    free = list(range(1, DECODE_NUM_BLOCKS))
+    free = list(range(1, num_blocks))
     random.Random(seed).shuffle(free)  # scattered, like a cache after many requests
-    max_blocks = -(-max(lens) // DECODE_BLOCK)
+    max_blocks = -(-max(lens) // block_size)
     tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
     for i, n in enumerate(lens):
-        for b in range(-(-n // DECODE_BLOCK)):
+        for b in range(-(-n // block_size)):
             tables[i, b] = free.pop()
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.long)
 
@@ -171,10 +172,10 @@ def float64_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              softcap: float) -> torch.Tensor:
     """Decode attention computed directly in float64, one sequence at a time (the kernels' yardstick)."""
     out = torch.empty(q.shape, dtype=torch.float64)
-    group = q.shape[2]
+    group, block_size = q.shape[2], k_cache.shape[1]
     for s, n in enumerate(lens.tolist()):
         positions = torch.arange(n)
-        slots = tables[s, positions // DECODE_BLOCK] * DECODE_BLOCK + positions % DECODE_BLOCK
+        slots = tables[s, positions // block_size] * block_size + positions % block_size
         k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [n, heads, d]
         v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
         qs = q[s].double().flatten(0, 1)  # [heads, d]

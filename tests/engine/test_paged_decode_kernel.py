@@ -52,6 +52,22 @@ def test_kernel_matches_float64_attention(kernel: Callable[..., None], dtype: to
     torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize(("kv_heads", "d", "window"), [(2, 16, 0), (4, 64, 0), (4, 64, 37)])
+def test_kernel_walks_other_block_sizes_and_long_contexts(kernel: Callable[..., None], block_size: int,
+                                                          kv_heads: int, d: int, window: int) -> None:
+    # 600 positions of 4 kv heads of 64 floats (600 KiB of values) are more than the kernel prefetches
+    # during the score pass (kCachedValueBytes): its values are then prefetched in the value pass
+    lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 600]
+    q, k_cache, v_cache, tables, lens_t = decode_case(block_size + d, kv_heads=kv_heads, group=2, d=d,
+                                                      dtype=torch.float32, lens=lens, block_size=block_size)
+    out = torch.full_like(q, float("nan"))
+    kernel(q, k_cache, v_cache, tables, lens_t, d ** -0.5, window, 0.0, out)
+    expected = float64_decode_attention(q, k_cache, v_cache, tables, lens_t, scale=d ** -0.5, window=window,
+                                        softcap=0.0)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_attention_layer_uses_the_kernel_for_decodes(kernel: Callable[..., None]) -> None:
     """paged_attention_forward with a DecodeBatch: the rows come from the kernel, in the layer's layout."""
     kv_heads, group, d = 2, 2, 32

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import contextlib
 import inspect
 import logging
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_server.engine import cpu_kernels, decode_graphs, triton_decode
+from engine_server.engine import cpu_kernels, decode_graphs, host_memory, triton_decode
 from engine_server.engine.attention import DecodeBatch, DecodeGroup, PagedMetadata, PrefillChunk
 from engine_server.engine.cpu_kernels import CpuKernels
 from engine_server.engine.decode_graphs import DecodeGraphs
@@ -72,10 +73,8 @@ class ModelRunner:
         # read and write only that one (decode_graphs.py)
         self.spare_block = num_blocks
         shape = (num_blocks + 1, block_size, kv.num_kv_heads, kv.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(kv.num_layers)
-        ]
+        self.kv_caches = [(self._zeros(shape, dtype), self._zeros(shape, dtype))
+                          for _ in range(kv.num_layers)]
         self.decode_graphs: DecodeGraphs | None = None
         if (device.type == "cuda" and self.decode_kernel is not None and self._has_logits_to_keep
                 and decode_graphs.enabled()):
@@ -83,6 +82,22 @@ class ModelRunner:
                                   max_batch=max_num_seqs, max_blocks=-(-max_model_len // block_size),
                                   block_size=block_size, spare_block=self.spare_block, device=device)
             self.decode_graphs = graphs if graphs.capture() else None
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return host_memory.zeros(shape, dtype)  # in huge pages: see host_memory.py
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def _int64(self, values: list[int]) -> torch.Tensor:
+        """A 1-D int64 tensor of `values` on the device.
+
+        NOTE: torch.tensor(list) converts element by element through Python (~55 ns each); array packs them
+        in C (~15 ns): ~0.2 ms of a decode step at 256 sequences (block tables, slots, ids, positions).
+        """
+        if not values:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        host = torch.frombuffer(array.array("q", values), dtype=torch.long)
+        return host if self.device.type == "cpu" else host.to(self.device)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         size = self.block_size
@@ -133,7 +148,7 @@ class ModelRunner:
                 keep.append(q_start + s.num_new_tokens - 1)
         meta = PagedMetadata(
             kv_caches=self.kv_caches,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
+            slot_mapping=self._int64(slot_mapping),
             prefills=chunks,
         )
         if kernel_rows and self.decode_kernel is not None:
@@ -143,9 +158,9 @@ class ModelRunner:
             for group_end in self._decode_group_ends(decodes):
                 meta.decodes.append(self._decode_group(decodes, group_start, group_end))
                 group_start = group_end
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        pos = torch.tensor([positions], dtype=torch.long, device=self.device)
-        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+        ids = self._int64(input_ids).view(1, -1)
+        pos = self._int64(positions).view(1, -1)
+        keep_t = self._int64(keep)
         rotary = self._rotary_kernels
         with rotary_kernel_active(rotary) if rotary is not None else contextlib.nullcontext():
             if self._has_logits_to_keep:
@@ -217,13 +232,17 @@ class ModelRunner:
         for s in seqs:
             context_lens.extend(range(s.start + 1, s.start + s.num_new_tokens + 1))
         max_blocks = -(-max(s.start + s.num_new_tokens for s in seqs) // self.block_size)
-        tables = [s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
-                  for s in seqs]
-        tables_t = torch.tensor(tables, dtype=torch.long, device=self.device).view(len(seqs), max_blocks)
+        tables: list[int] = []
+        for s in seqs:
+            table = s.seq.block_table[:max_blocks]
+            tables += table
+            if len(table) < max_blocks:
+                tables += [0] * (max_blocks - len(table))
+        tables_t = self._int64(tables).view(len(seqs), max_blocks)
         if len(context_lens) > len(seqs):  # a sequence's table for each of its rows
-            rows = torch.tensor([s.num_new_tokens for s in seqs], dtype=torch.long, device=self.device)
+            rows = self._int64([s.num_new_tokens for s in seqs])
             tables_t = tables_t.repeat_interleave(rows, dim=0)
-        return torch.tensor(context_lens, dtype=torch.long, device=self.device), tables_t
+        return self._int64(context_lens), tables_t
 
     def _decode_batch(self, seqs: list[ScheduledSeq], kernel: Callable[..., None]) -> DecodeBatch:
         context_lens, tables = self._decode_tables(seqs)

@@ -41,33 +41,102 @@ struct Scratch {
   std::vector<float> q, scores, row, acc;
 };
 
-// Asks for a cache block's rows ahead of their use. Blocks are scattered: with small heads the hardware
-// prefetcher saw too little of each block to start, and every cache line was a miss waited for (on a 2-vCPU
-// AMD EPYC, 256 sequences of 150 positions with 2 kv heads of 16: ~115 ns per position with the cache
-// cold, ~45 ns with it warm).
+// Walks one sequence's positions in order, giving each one's row (all kv heads, contiguous) of a cache; the
+// block table is read once per block (a division per position cost more than the arithmetic of its attention).
 template <typename T>
-inline void prefetch_block(const T* cache, const Args<T>& a, int64_t block) {
-  const int64_t bytes = a.block_size * a.kv_heads * a.d * static_cast<int64_t>(sizeof(T));
-  const char* p = reinterpret_cast<const char*>(cache + block * a.block_size * a.kv_heads * a.d);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 3);
-}
+class RowCursor {
+ public:
+  RowCursor(const T* cache, const Args<T>& a, const int64_t* table, int64_t start, int64_t len)
+      : cache_(cache), table_(table), row_(a.kv_heads * a.d), block_size_(a.block_size), pos_(start), len_(len),
+        block_(start / a.block_size), offset_(start % a.block_size) {}
+  bool done() const { return pos_ >= len_; }
+  const T* next() {
+    const T* p = cache_ + (table_[block_] * block_size_ + offset_) * row_;
+    ++pos_;
+    if (++offset_ == block_size_) offset_ = 0, ++block_;
+    return p;
+  }
 
-// Calls fn(pos, row of kv head h) for pos in [start, len), walking the block table one block at a time
-// (a division per position cost more than the arithmetic of its attention), the next block prefetched.
-// companion: the other cache, whose block of the same positions is prefetched as each block starts (the key
-// pass asks for the value rows the next pass reads: 256 sequences of 150 positions, cache cold, on an Intel
-// Xeon: ~28 -> ~26 ns per position, interleaved runs).
+ private:
+  const T* cache_;
+  const int64_t* table_;
+  int64_t row_, block_size_, pos_, len_, block_, offset_;
+};
+
+// Prefetches the cache lines of a run of rows a few at a time, between the computations that hide them.
+// Blocks are scattered: with small heads the hardware prefetcher sees too little of each block to start, and
+// every line is a miss waited for (a 2-vCPU AMD EPYC, 256 sequences of 150 positions, 2 kv heads of 16:
+// ~115 ns per position cold, ~45 warm). Prefetching a whole block at once then stalled on the core's few
+// line-fill buffers; spread over the work it overlaps it (an Intel Xeon, the tiny model's decode steps at
+// 256 sequences, interleaved runs: ~25 -> ~22.5 ns per position).
+template <typename T>
+class LinePrefetcher {
+ public:
+  LinePrefetcher(RowCursor<T> rows, int64_t row_bytes) : rows_(rows), row_bytes_(row_bytes) {}
+  void issue(int64_t lines) {
+    for (; lines > 0; --lines) {
+      if (left_ <= 0) {
+        if (rows_.done()) return;
+        line_ = reinterpret_cast<const char*>(rows_.next());
+        left_ = row_bytes_;
+      }
+      __builtin_prefetch(line_, 0, 3);
+      line_ += 64;
+      left_ -= 64;
+    }
+  }
+
+ private:
+  RowCursor<T> rows_;
+  int64_t row_bytes_;
+  const char* line_ = nullptr;
+  int64_t left_ = 0;
+};
+
+// The prefetches of one sequence's two passes, issued a share at a time: the key rows kAheadRows positions
+// ahead of the score pass; the value rows during the score pass when they stay cached until the value pass
+// (else kAheadRows ahead of it).
+constexpr int64_t kAheadRows = 16;
+constexpr int64_t kCachedValueBytes = 256 * 1024;
+
+template <typename T>
+struct PassPrefetch {
+  LinePrefetcher<T> keys, values;
+  int64_t row_lines, share;  // share: lines per call of each prefetcher (a group's lines over `calls` calls)
+  bool values_with_keys;
+  PassPrefetch(const Args<T>& a, const int64_t* table, int64_t start, int64_t len, int64_t group_rows,
+               int64_t calls)
+      : keys(RowCursor<T>(a.k_cache, a, table, start, len), row_bytes(a)),
+        values(RowCursor<T>(a.v_cache, a, table, start, len), row_bytes(a)),
+        row_lines((row_bytes(a) + 63) / 64),
+        share((group_rows * row_lines + calls - 1) / calls),
+        values_with_keys((len - start) * row_bytes(a) <= kCachedValueBytes) {
+    keys.issue(row_lines * kAheadRows);  // the first rows: nothing to hide them behind
+  }
+  void score_step() {
+    keys.issue(share);
+    if (values_with_keys) values.issue(share);
+  }
+  void start_values() {
+    if (!values_with_keys) values.issue(row_lines * kAheadRows);
+  }
+  void value_step() {
+    if (!values_with_keys) values.issue(share);
+  }
+  static int64_t row_bytes(const Args<T>& a) { return a.kv_heads * a.d * static_cast<int64_t>(sizeof(T)); }
+};
+
+// Calls fn(pos, row of kv head h) for pos in [start, len) (the portable code's walk).
 template <typename T, typename Fn>
 inline void for_each_row(const T* cache, const Args<T>& a, const int64_t* table, int64_t start, int64_t len,
-                         int64_t h, Fn&& fn, const T* companion = nullptr) {
-  const int64_t row = a.kv_heads * a.d;
-  const int64_t last_block = (len - 1) / a.block_size;
-  for (int64_t pos = start; pos < len;) {
-    const int64_t block = pos / a.block_size, end = std::min(len, (block + 1) * a.block_size);
-    if (block < last_block) prefetch_block(cache, a, table[block + 1]);
-    if (companion != nullptr) prefetch_block(companion, a, table[block]);
-    const T* p = cache + (table[block] * a.block_size + pos - block * a.block_size) * row + h * a.d;
-    for (; pos < end; ++pos, p += row) fn(pos, p);
+                         int64_t h, Fn&& fn) {
+  RowCursor<T> rows(cache, a, table, start, len);
+  const int64_t row_bytes = a.kv_heads * a.d * static_cast<int64_t>(sizeof(T)), row_lines = (row_bytes + 63) / 64;
+  LinePrefetcher<T> ahead(RowCursor<T>(cache, a, table, start, len), row_bytes);
+  ahead.issue(row_lines * kAheadRows);
+  for (int64_t pos = start; pos < len; ++pos) {
+    ahead.issue(row_lines);
+    fn(pos, rows.next() + h * a.d);
   }
 }
 
@@ -84,12 +153,16 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
     for (int64_t e = 0; e < d; ++e) w.q[i * dp + e] = static_cast<float>(qp[i * d + e]) * a.scale;
   // 1) scores, 16 positions at a time: their key rows (all kv heads, contiguous) stay in L1 while each query
   // head takes 16 dot products, summed across lanes together (sum16) rather than one reduction per dot
+  PassPrefetch<T> prefetch(a, table, start, len, 16, heads);
+  RowCursor<T> keys(a.k_cache, a, table, start, len);
   const T* rows[16];
-  int64_t num_rows = 0, first_pos = start;
-  const auto score_rows = [&] {
+  for (int64_t first_pos = start; first_pos < len; first_pos += 16) {
+    const int64_t num_rows = std::min<int64_t>(16, len - first_pos);
+    for (int64_t p = 0; p < num_rows; ++p) rows[p] = keys.next();
     for (int64_t p = num_rows; p < 16; ++p) rows[p] = rows[0];  // padding lanes: computed, not stored
     for (int64_t h = 0; h < a.kv_heads; ++h) {
       for (int64_t j = 0; j < g; ++j) {
+        prefetch.score_step();
         const float* qj = w.q.data() + (h * g + j) * dp;
         __m512 acc[16];
         for (int64_t p = 0; p < 16; ++p) acc[p] = _mm512_setzero_ps();
@@ -101,14 +174,7 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
         _mm512_mask_storeu_ps(w.scores.data() + (h * g + j) * span + first_pos - start, lanes(num_rows), sum16(acc));
       }
     }
-    first_pos += num_rows;
-    num_rows = 0;
-  };
-  for_each_row(a.k_cache, a, table, start, len, 0, [&](int64_t, const T* row) {
-    rows[num_rows++] = row;
-    if (num_rows == 16) score_rows();
-  }, a.v_cache);
-  if (num_rows > 0) score_rows();
+  }
   if (a.softcap > 0) {
     for (float& x : w.scores) x = std::tanh(x / a.softcap) * a.softcap;
   }
@@ -135,10 +201,15 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
   // 3) probability-weighted values, 16 positions at a time: each output chunk sums their 16 products in
   // registers (four chains, so no FMA waits on the previous one) and touches memory once
   std::fill(w.acc.begin(), w.acc.begin() + heads * dp, 0.f);
-  const auto weigh_rows = [&] {
+  prefetch.start_values();
+  RowCursor<T> values(a.v_cache, a, table, start, len);
+  for (int64_t first_pos = start; first_pos < len; first_pos += 16) {
+    const int64_t num_rows = std::min<int64_t>(16, len - first_pos);
+    for (int64_t p = 0; p < num_rows; ++p) rows[p] = values.next();
     for (int64_t p = num_rows; p < 16; ++p) rows[p] = rows[0];  // padding lanes: weight 0
     for (int64_t h = 0; h < a.kv_heads; ++h) {
       for (int64_t j = 0; j < g; ++j) {
+        prefetch.value_step();
         const float* sj = w.scores.data() + (h * g + j) * span + first_pos - start;
         float weight[16];
         for (int64_t p = 0; p < 16; ++p) weight[p] = p < num_rows ? sj[p] : 0.f;
@@ -153,15 +224,7 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
         }
       }
     }
-    first_pos += num_rows;
-    num_rows = 0;
-  };
-  first_pos = start;
-  for_each_row(a.v_cache, a, table, start, len, 0, [&](int64_t, const T* row) {
-    rows[num_rows++] = row;
-    if (num_rows == 16) weigh_rows();
-  });
-  if (num_rows > 0) weigh_rows();
+  }
   T* op = a.out + s * heads * d;
   for (int64_t i = 0; i < heads; ++i)
     for (int64_t e = 0; e < d; ++e) op[i * d + e] = static_cast<T>(w.acc[i * dp + e]);
@@ -180,12 +243,16 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
   for (int64_t i = 0; i < heads; ++i)
     for (int64_t e = 0; e < d; ++e) w.q[i * dp + e] = static_cast<float>(qp[i * d + e]) * a.scale;
   // 1) scores: each query head takes 8 dot products against 8 key rows, summed across lanes together
+  PassPrefetch<T> prefetch(a, table, start, len, 8, heads);
+  RowCursor<T> keys(a.k_cache, a, table, start, len);
   const T* rows[8];
-  int64_t num_rows = 0, first_pos = start;
-  const auto score_rows = [&] {
+  for (int64_t first_pos = start; first_pos < len; first_pos += 8) {
+    const int64_t num_rows = std::min<int64_t>(8, len - first_pos);
+    for (int64_t p = 0; p < num_rows; ++p) rows[p] = keys.next();
     for (int64_t p = num_rows; p < 8; ++p) rows[p] = rows[0];  // padding lanes: computed, then masked
     for (int64_t h = 0; h < a.kv_heads; ++h) {
       for (int64_t j = 0; j < g; ++j) {
+        prefetch.score_step();
         const float* qj = w.q.data() + (h * g + j) * dp;
         __m256 acc[8];
         for (int64_t p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
@@ -196,14 +263,7 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
         _mm256_storeu_ps(w.scores.data() + (h * g + j) * sp + first_pos - start, sum8(acc));
       }
     }
-    first_pos += num_rows;
-    num_rows = 0;
-  };
-  for_each_row(a.k_cache, a, table, start, len, 0, [&](int64_t, const T* row) {
-    rows[num_rows++] = row;
-    if (num_rows == 8) score_rows();
-  }, a.v_cache);
-  if (num_rows > 0) score_rows();
+  }
   for (int64_t i = 0; i < heads; ++i) {
     float* si = w.scores.data() + i * sp;
     if (a.softcap > 0) {
@@ -228,10 +288,15 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
   }
   // 3) probability-weighted values, 8 positions at a time, summed in registers (four chains)
   std::fill(w.acc.begin(), w.acc.begin() + heads * dp, 0.f);
-  const auto weigh_rows = [&] {
+  prefetch.start_values();
+  RowCursor<T> values(a.v_cache, a, table, start, len);
+  for (int64_t first_pos = start; first_pos < len; first_pos += 8) {
+    const int64_t num_rows = std::min<int64_t>(8, len - first_pos);
+    for (int64_t p = 0; p < num_rows; ++p) rows[p] = values.next();
     for (int64_t p = num_rows; p < 8; ++p) rows[p] = rows[0];  // padding lanes: weight 0
     for (int64_t h = 0; h < a.kv_heads; ++h) {
       for (int64_t j = 0; j < g; ++j) {
+        prefetch.value_step();
         const float* sj = w.scores.data() + (h * g + j) * sp + first_pos - start;
         for (int64_t e = 0; e < d; e += 8) {
           __m256 part[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -243,15 +308,7 @@ void attend(const Args<T>& a, int64_t s, Scratch& w) {
         }
       }
     }
-    first_pos += num_rows;
-    num_rows = 0;
-  };
-  first_pos = start;
-  for_each_row(a.v_cache, a, table, start, len, 0, [&](int64_t, const T* row) {
-    rows[num_rows++] = row;
-    if (num_rows == 8) weigh_rows();
-  });
-  if (num_rows > 0) weigh_rows();
+  }
   T* op = a.out + s * heads * d;
   for (int64_t i = 0; i < heads; ++i)
     for (int64_t e = 0; e < d; ++e) op[i * d + e] = static_cast<T>(w.acc[i * dp + e]);
