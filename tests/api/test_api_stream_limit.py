@@ -16,8 +16,10 @@ import pytest
 from apiutil import greedy_request
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from engine_server.api.config import ServerConfig
+from engine_server.api.fast_send import FastSender
 from engine_server.api.handle import EngineHandle
 from engine_server.api.server import EngineServer
+from engine_server.api.stream_limit import LocalStreamLimit
 from engine_server.engine.config import EngineConfig
 from fakes import FakeEngine
 from grpclib.client import Channel
@@ -162,3 +164,45 @@ async def test_a_vllm_slot_comes_back_after_an_error_or_a_cancel(harness: Harnes
     for call in held:
         assert [m async for m in call]
         await call.__aexit__(None, None, None)
+
+
+class _RecordingLimit(LocalStreamLimit):
+    """The server's limit, noting each give-back in the log the trailer writes go to."""
+
+    def __init__(self, limit: int, log: list[str]) -> None:
+        super().__init__(limit)
+        self._log = log
+
+    def release(self) -> None:
+        self._log.append("release")
+        super().release()
+
+
+@pytest.mark.parametrize("kind", ["engine_v1", "vllm"])
+async def test_the_slot_is_free_before_the_end_leaves(
+    harness: Harness, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The push path writes a call's end from the engine's output task, before the handler returns: a client
+    that opens its next stream the moment it reads the end (as a gateway does, on any frontend) must find the
+    place free, so the slot goes back before the trailers are written."""
+    log: list[str] = []
+    harness.server.use_stream_limit(_RecordingLimit(LIMIT, log))
+    write_headers = FastSender._try_send_headers
+
+    def recording_write(sender: FastSender, block: bytes, *, end_stream: bool) -> bool:
+        written = write_headers(sender, block, end_stream=end_stream)
+        if written and end_stream:
+            log.append("end")
+        return written
+
+    monkeypatch.setattr(FastSender, "_try_send_headers", recording_write)
+    for index in range(LIMIT + 1):
+        log.clear()
+        if kind == "engine_v1":
+            call, request = harness.engine_v1(), greedy_request([5], max_tokens=3)
+        else:
+            call, request = harness.vllm(), _vllm_request(f"end-{index}", max_tokens=3)
+        async with call:
+            await call.send_message(request, end=True)
+            assert [message async for message in call]
+        assert log == ["release", "end"]  # once each: the fast path ended the call, after the give-back

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from engine_server.api.stream_limit import LocalStreamLimit, SharedStreamLimitFile
+from engine_server.api.stream_limit import LocalStreamLimit, SharedStreamLimitFile, StreamSlot
 
 TIMEOUT_S = 30.0
 
@@ -28,6 +28,22 @@ def shared() -> Iterator[SharedStreamLimitFile]:
     shared = SharedStreamLimitFile.create(limit=3, num_frontends=2)
     yield shared
     shared.unlink()
+
+
+def test_a_slot_is_given_back_once_however_often_released() -> None:
+    limit = LocalStreamLimit(2)
+    first, second = StreamSlot.try_take(limit), StreamSlot.try_take(limit)
+    assert first is not None
+    assert second is not None
+    assert StreamSlot.try_take(limit) is None
+    for _ in range(3):  # the sender before the end, then the handler's finally: one place back, not three
+        first.release()
+    third = StreamSlot.try_take(limit)
+    assert third is not None
+    assert StreamSlot.try_take(limit) is None
+    second.release()
+    third.release()
+    assert [limit.try_acquire() for _ in range(3)] == [True, True, False]
 
 
 def test_shared_limit_counts_every_frontend(shared: SharedStreamLimitFile) -> None:

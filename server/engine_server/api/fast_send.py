@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from grpclib.events import SendInitialMetadata, SendMessage, SendTrailingMetadata
@@ -94,12 +95,14 @@ class FastSender:
     """Per call: `await sender.send(message)` instead of `await stream.send_message(message)`."""
 
     __slots__ = (
-        "_books", "_connection", "_h2", "_h2_stream", "_headers_ok", "_ok", "_proto_stream", "_stream",
-        "_trailers_ok", "_transport", "_write_ready",
+        "_before_end", "_books", "_connection", "_h2", "_h2_stream", "_headers_ok", "_ok", "_proto_stream",
+        "_stream", "_trailers_ok", "_transport", "_write_ready",
     )
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, *, before_end: Callable[[], None] | None = None) -> None:
+        """`before_end`: called once, before the call's end (the trailers) is written, by either path."""
         self._stream = stream
+        self._before_end = before_end
         self._ok = self._headers_ok = self._trailers_ok = False
         try:
             proto_stream = stream._stream
@@ -168,7 +171,15 @@ class FastSender:
         stream._send_initial_metadata_done = True
 
     def try_send_ok_trailers(self) -> bool:
-        """Ends the call with status OK if the fast path applies; False: grpclib's `Stream.__aexit__` will."""
+        """Ends the call with status OK if the fast path applies; False: grpclib's `Stream.__aexit__` will.
+
+        NOTE: `before_end` runs first either way: the client may act on the end (open its next stream) the
+        moment it reads it, so whatever the call held is given back before the end can leave.
+        """
+        before_end = self._before_end
+        if before_end is not None:
+            self._before_end = None
+            before_end()
         stream = self._stream
         if not (self._trailers_ok and stream._send_initial_metadata_done
                 and not stream._send_trailing_metadata_done

@@ -18,7 +18,7 @@ from engine_server.api import convert, responses
 from engine_server.api.errors import RequestFailed, ServerBusy, to_grpc_error
 from engine_server.api.fast_send import FastSender
 from engine_server.api.in_flight import InFlight
-from engine_server.api.stream_limit import LocalStreamLimit
+from engine_server.api.stream_limit import LocalStreamLimit, StreamSlot
 from engine_server.engine.types import EngineDead
 from engine_server.frontend.outputs import EngineState
 
@@ -124,7 +124,8 @@ class EngineServicer(EngineServiceBase):
         request_id = msg.request_id
         stream_limit = self._stream_limit
         try:
-            if not stream_limit.try_acquire():
+            slot = StreamSlot.try_take(stream_limit)
+            if slot is None:
                 raise ServerBusy(f"too many concurrent streams ({stream_limit.limit}); retry later")
         except Exception as exc:
             raise to_grpc_error(exc, rpc="Generate", request_id=request_id) from None
@@ -135,7 +136,7 @@ class EngineServicer(EngineServiceBase):
             request_id = request.request_id
             outputs = engine.generate(request)
         except Exception as exc:
-            stream_limit.release()
+            slot.release()
             raise to_grpc_error(exc, rpc="Generate", request_id=request_id) from None
         logger.debug("Generate %s: %d prompt tokens, n=%d, stream=%s",
                      request_id, len(request.prompt_token_ids), request.params.n, msg.stream)
@@ -145,7 +146,7 @@ class EngineServicer(EngineServiceBase):
             with self._in_flight:
                 async with contextlib.aclosing(outputs):
                     if msg.stream:
-                        await self._stream_outputs(stream, outputs, request)
+                        await self._stream_outputs(stream, outputs, request, slot)
                     else:
                         await self._send_whole(stream, outputs, request)
         except Exception as exc:
@@ -154,11 +155,11 @@ class EngineServicer(EngineServiceBase):
             logger.debug("Generate %s: cancelled (client, disconnect or deadline): aborted", request_id)
             raise
         finally:
-            stream_limit.release()
+            slot.release()  # unless the sender did, as the call's end left
 
     async def _stream_outputs(
         self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse],
-        outputs: OutputStream, request: GenerateRequest,
+        outputs: OutputStream, request: GenerateRequest, slot: StreamSlot,
     ) -> None:
         """Streams one message per engine output.
 
@@ -171,7 +172,7 @@ class EngineServicer(EngineServiceBase):
         metrics = self._metrics
         timer = metrics.request_timer() if metrics is not None else None
         num_completion_tokens = [0] * request.params.n
-        sender = FastSender(stream)
+        sender = FastSender(stream, before_end=slot.release)
         plain = responses.PlainResponses(request.request_id)
         is_sending = False  # this task is writing a message itself: push must not overtake it
 

@@ -41,6 +41,32 @@ class StreamLimit(Protocol):
     def release(self) -> None: ...
 
 
+class StreamSlot:
+    """One admitted stream's place under the limit, given back exactly once, by whichever comes first.
+
+    NOTE: the push path writes a call's end from the engine's output task, well before the handler wakes up
+    and returns; a client that opens its next stream as soon as it reads that end (on this frontend or on
+    another) must find the place free, so the sender gives it back before the end leaves
+    (`FastSender(before_end=...)`) and the handler's `finally` only in the other cases.
+    """
+
+    __slots__ = ("_limit",)
+
+    def __init__(self, limit: StreamLimit) -> None:
+        self._limit: StreamLimit | None = limit
+
+    @classmethod
+    def try_take(cls, limit: StreamLimit) -> StreamSlot | None:
+        """A place, unless the limit is reached."""
+        return cls(limit) if limit.try_acquire() else None
+
+    def release(self) -> None:
+        limit = self._limit
+        if limit is not None:
+            self._limit = None
+            limit.release()
+
+
 class LocalStreamLimit:
     """The single-process limit: a counter on the event loop's thread."""
 

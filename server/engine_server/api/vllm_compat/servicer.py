@@ -27,6 +27,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from engine_server.api.fast_send import FastSender
 from engine_server.api.in_flight import InFlight
+from engine_server.api.stream_limit import StreamSlot
 from engine_server.frontend.outputs import EngineState
 
 from .engine_handle import EngineHandle
@@ -121,20 +122,22 @@ class VllmEngineServicer(VllmEngineBase):
         return engine
 
     @contextmanager
-    def _stream_slot(self) -> Iterator[None]:
-        """One stream of --max-concurrent-streams for the body, however it ends (end, error, cancel)."""
+    def _stream_slot(self) -> Iterator[StreamSlot | None]:
+        """One stream of --max-concurrent-streams for the body, given back however it ends (end, error,
+        cancel) unless the sender gave it back first (`FastSender(before_end=...)`); None: no limit."""
         stream_limit = self._stream_limit
         if stream_limit is None:
-            yield
+            yield None
             return
-        if not stream_limit.try_acquire():
+        slot = StreamSlot.try_take(stream_limit)
+        if slot is None:
             raise GRPCError(
                 Status.RESOURCE_EXHAUSTED, f"too many concurrent streams ({stream_limit.limit}); retry later"
             )
         try:
-            yield
+            yield slot
         finally:
-            stream_limit.release()
+            slot.release()
 
     # --- generation ---------------------------------------------------------------------------------
 
@@ -150,7 +153,7 @@ class VllmEngineServicer(VllmEngineBase):
     async def _generate(self, stream: RpcStream, request: pb.GenerateRequest, engine: EngineHandle) -> None:
         # NOTE: the slot is taken before the request is looked at (an overloaded server refuses cheaply) and
         # given back only once the engine stream (aclosing below) is closed.
-        with grpc_status("Generate", request.request_id), self._stream_slot():
+        with grpc_status("Generate", request.request_id), self._stream_slot() as slot:
             generate_request = generate_request_from_proto(
                 request, tokenizer=engine.tokenizer, max_model_len=engine.model_info.max_model_len
             )
@@ -166,7 +169,7 @@ class VllmEngineServicer(VllmEngineBase):
             timer = metrics.request_timer() if metrics is not None else None
             # NOTE: messages as hand-built DATA frames, the bytes grpclib's send_message would write
             # (api/fast_send.py); grpclib's path for anything unusual.
-            sender = FastSender(stream)
+            sender = FastSender(stream, before_end=slot.release if slot is not None else None)
             writer = OutputWriter(builder, sender, timer)
             # NOTE: aclosing: a cancelled handler (RST_STREAM) or a failed send aborts the engine request.
             async with aclosing(engine.generate(generate_request)) as outputs:
