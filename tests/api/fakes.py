@@ -60,7 +60,7 @@ class FakeStream:
     def __aiter__(self) -> FakeStream:
         return self
 
-    def set_sink(self, sink: object) -> None:
+    def set_sink(self, sink: object, plain_sink: object = None) -> None:
         """Never pushes: the servicer's pull path (every output through the iterator) stays covered."""
 
     async def __anext__(self) -> GenerateOutput:

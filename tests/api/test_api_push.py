@@ -29,18 +29,25 @@ class PushingStream:
         self._request = request
         self._release = release
         self.delivered: list[bool] = []
+        self.num_plain = 0  # outputs the plain sink took (as the chunk alone)
 
     def __aiter__(self) -> PushingStream:
         return self
 
-    def set_sink(self, sink: Callable[[GenerateOutput], bool] | None) -> None:
+    def set_sink(self, sink: Callable[[GenerateOutput], bool] | None,
+                 plain_sink: Callable[[CompletionChunk], bool] | None = None) -> None:
         if sink is not None:
-            asyncio.get_running_loop().call_soon(self._push_all, sink)
+            asyncio.get_running_loop().call_soon(self._push_all, sink, plain_sink)
 
-    def _push_all(self, sink: Callable[[GenerateOutput], bool]) -> None:
+    def _push_all(self, sink: Callable[[GenerateOutput], bool],
+                  plain_sink: Callable[[CompletionChunk], bool] | None) -> None:
         for step in range(1, NUM_TOKENS + 1):
             finish = FinishReason.LENGTH if step == NUM_TOKENS else None
             chunk = CompletionChunk(0, [10 + step], "", None, finish, None, step)
+            if finish is None and plain_sink is not None and plain_sink(chunk):  # as RequestState offers it
+                self.num_plain += 1
+                self.delivered.append(True)
+                continue
             output = GenerateOutput(self._request.request_id, [chunk], 2, 0, None, finish is not None)
             self.delivered.append(sink(output))
 
@@ -87,6 +94,7 @@ async def test_the_last_pushed_message_ends_the_call_without_waking_the_handler(
             assert responses[-1].completions[0].finish_reason == 2  # FINISH_REASON_LENGTH
             assert responses[-1].usage.completion_tokens == NUM_TOKENS
             assert engine.streams[0].delivered == [True] * NUM_TOKENS
+            assert engine.streams[0].num_plain == NUM_TOKENS - 1  # all but the last: plain chunks
             assert not engine.release.is_set()
     finally:
         engine.release.set()  # the handler finishes quietly (the call had ended OK)

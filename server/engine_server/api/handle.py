@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from engine_server.engine.model_info import ModelInfo
     from engine_server.engine.types import EngineStats
-    from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest, OutputSink
+    from engine_server.frontend.outputs import (
+        EngineState,
+        GenerateOutput,
+        GenerateRequest,
+        OutputSink,
+        PlainSink,
+    )
 
 
 class Encoding(Protocol):
@@ -37,8 +43,9 @@ class OutputStream(Protocol):
     def __aiter__(self) -> OutputStream: ...
     async def __anext__(self) -> GenerateOutput: ...
     async def aclose(self) -> None: ...
-    def set_sink(self, sink: OutputSink | None) -> None:
-        """Offer outputs to `sink` before waking the consumer (None: stop); a stream may never call it."""
+    def set_sink(self, sink: OutputSink | None, plain_sink: PlainSink | None = None) -> None:
+        """Offer outputs to `sink` before waking the consumer (None: stop), plain news to `plain_sink` first
+        (outputs.PlainSink); a stream may never call either."""
 
 
 class EngineHandle(Protocol):

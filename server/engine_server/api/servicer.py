@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from engine_server.api.handle import EngineHandle, OutputStream
     from engine_server.api.metrics import ServerMetrics
     from engine_server.api.stream_limit import StreamLimit
-    from engine_server.frontend.outputs import GenerateOutput, GenerateRequest
+    from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -192,8 +192,18 @@ class EngineServicer(EngineServiceBase):
                 sender.try_send_ok_trailers()
             return True
 
+        def push_plain(chunk: CompletionChunk) -> bool:
+            """Most messages: the chunk alone, no GenerateOutput built (outputs.PlainSink)."""
+            if is_sending:
+                return False
+            if not sender.try_send_serialized(plain.serialize_chunk(chunk, num_completion_tokens)):
+                return False
+            if timer is not None:
+                timer.on_output(len(chunk.token_ids))
+            return True
+
         await sender.send_initial_metadata()
-        outputs.set_sink(push)
+        outputs.set_sink(push, push_plain)
         try:
             async for output in outputs:
                 if output.error is not None:

@@ -26,9 +26,11 @@ class BatchingTransport(asyncio.Transport):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
             return
-        if not self._pending:
+        pending = self._pending
+        if not pending:
             self._loop.call_soon(self.flush)
-        self._pending.append(bytes(data))
+        # NOTE: a copy only of what the writer may still change (a bytearray, a memoryview of one)
+        pending.append(data if type(data) is bytes else bytes(data))
 
     def writelines(self, list_of_data: Any) -> None:
         for data in list_of_data:

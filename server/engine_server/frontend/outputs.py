@@ -70,3 +70,9 @@ class GenerateOutput:
 # Called on the engine's output task with each output as it becomes ready (RequestStream.set_sink); True:
 # delivered, the stream will not yield it; False: declined, the stream yields it, in order.
 OutputSink = Callable[[GenerateOutput], bool]
+
+# Offered before OutputSink when the news is the commonest kind: new tokens (and their text) of completion 0
+# of a request still running, nothing else (no finish, logprobs, prompt logprobs or other completion). It
+# gets the chunk itself, so no GenerateOutput is built for most messages of a stream. True: delivered;
+# False: the same news goes to the OutputSink as an output (nothing may have been sent).
+PlainSink = Callable[[CompletionChunk], bool]

@@ -12,7 +12,13 @@ from typing import Any
 from engine_server.engine.types import CompletionDelta, FinishReason, TokenLogprob
 from engine_server.frontend.byte_level import ByteLevelTables
 from engine_server.frontend.detokenizer import new_detokenizer
-from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest, OutputSink
+from engine_server.frontend.outputs import (
+    CompletionChunk,
+    GenerateOutput,
+    GenerateRequest,
+    OutputSink,
+    PlainSink,
+)
 from engine_server.frontend.stop_strings import StopStringMatcher
 
 logger = logging.getLogger(__name__)
@@ -43,18 +49,19 @@ class RequestState:
     __slots__ = (
         "_completions",
         "_error_text",
-        "_has_news",
-        "_pending",
+                "_pending",
         "_prompt_logprobs",
         "_request",
         "abort_sent",
         "declined",
         "error",
+        "has_news",
         "has_output",
         "num_cached_prompt_tokens",
         "num_engine_unfinished",
         "num_prompt_tokens",
         "num_unfinished",
+        "plain_sink",
         "request_id",
         "sink",
         "waiter",
@@ -68,7 +75,7 @@ class RequestState:
         n = request.params.n
         self._completions = [_Completion(request, backend, byte_tables) for _ in range(n)]
         self._pending: dict[int, CompletionChunk] = {}
-        self._has_news = False
+        self.has_news = False  # pending output for the consumer (or the sinks); set here only
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_cached_prompt_tokens = 0
         self._prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -77,6 +84,7 @@ class RequestState:
         self.has_output = False  # the engine produced something: the request is running, not waiting
         self.waiter: asyncio.Future[None] | None = None  # set while the consumer waits for news
         self.sink: OutputSink | None = None  # offered each output before the consumer is woken
+        self.plain_sink: PlainSink | None = None  # offered plain news first (outputs.PlainSink); needs `sink`
         self.declined: deque[GenerateOutput] = deque()  # what the sink declined: the consumer yields it
         self.error: BaseException | None = None  # raised to the consumer after pending output
         self._error_text: str | None = None
@@ -95,8 +103,13 @@ class RequestState:
         # NOTE: without stop strings there is a detokenizer exactly when text was asked for.
         detokenizer = completion.detokenizer
         text = detokenizer.add_many(token_ids) if detokenizer is not None else ""
-        completion.num_tokens += len(token_ids)
-        self._add_chunk(0, token_ids, text, None, None, None)
+        num_tokens = completion.num_tokens = completion.num_tokens + len(token_ids)
+        pending = self._pending
+        if 0 in pending:
+            self._add_chunk(0, token_ids, text, None, None, None)
+        else:  # (the commonest case written out: once per request per step)
+            self.has_news = True
+            pending[0] = CompletionChunk(0, token_ids, text, None, None, None, num_tokens)
         return False
 
     def process(self, delta: CompletionDelta) -> bool:
@@ -113,7 +126,7 @@ class RequestState:
             self.num_cached_prompt_tokens = delta.num_cached_prompt_tokens
             if delta.prompt_logprobs is not None:
                 self._prompt_logprobs = delta.prompt_logprobs
-                self._has_news = True
+                self.has_news = True
         completion = self._completions[delta.index]
         if completion.is_finished:
             return False  # finished here first (a stop string, or an abort); the engine is catching up
@@ -180,7 +193,7 @@ class RequestState:
         finish: FinishReason | None,
         stop_reason: str | int | None,
     ) -> None:
-        self._has_news = True
+        self.has_news = True
         num_tokens = self._completions[index].num_tokens
         chunk = self._pending.get(index)
         if chunk is None:
@@ -223,14 +236,16 @@ class RequestState:
 
     def wake(self) -> None:
         sink = self.sink
-        if sink is not None and self._has_news and self.error is None and not self.declined:
+        if sink is not None and self.has_news and self.error is None and not self.declined:
+            plain_sink = self.plain_sink
+            if plain_sink is not None and self._offer_plain(plain_sink):
+                return  # delivered; the request goes on: the consumer has nothing to do
             output = self.take()
             try:
-                delivered = sink(output)
+                delivered = sink(output) if self.sink is not None else False  # (None: plain_sink failed)
             except Exception:  # NOTE: a failing sink must not reach the engine's output task
-                logger.exception("output sink of request %s failed; falling back to its consumer",
-                                 self.request_id)
-                self.sink, delivered = None, False
+                self._drop_sinks()
+                delivered = False
             if not delivered:
                 self.declined.append(output)
             elif not output.finished:
@@ -241,11 +256,28 @@ class RequestState:
             if not waiter.done():
                 waiter.set_result(None)
 
-    # --- consumer side ------------------------------------------------------------------------------
+    def _offer_plain(self, plain_sink: PlainSink) -> bool:
+        """The pending news to `plain_sink` if it is plain (outputs.PlainSink); True: it was delivered."""
+        pending = self._pending
+        chunk = pending.get(0)
+        if (chunk is None or len(pending) != 1 or chunk.finish_reason is not None or chunk.logprobs
+                or self._prompt_logprobs is not None or self.num_unfinished == 0):
+            return False
+        try:
+            delivered = plain_sink(chunk)
+        except Exception:  # NOTE: as a failing sink: logged, and the consumer takes over
+            self._drop_sinks()
+            return False
+        if delivered:
+            pending.clear()
+            self.has_news = False
+        return delivered
 
-    @property
-    def has_news(self) -> bool:
-        return self._has_news
+    def _drop_sinks(self) -> None:
+        logger.exception("output sink of request %s failed; falling back to its consumer", self.request_id)
+        self.sink = self.plain_sink = None
+
+    # --- consumer side ------------------------------------------------------------------------------
 
     @property
     def is_finished(self) -> bool:
@@ -257,7 +289,7 @@ class RequestState:
         if len(chunks) > 1:
             chunks.sort(key=_chunk_index)
         pending.clear()
-        self._has_news = False
+        self.has_news = False
         prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
         return GenerateOutput(
             self.request_id, chunks, self.num_prompt_tokens, self.num_cached_prompt_tokens,

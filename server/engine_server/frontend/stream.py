@@ -6,7 +6,7 @@ import asyncio
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from engine_server.frontend.outputs import GenerateOutput, OutputSink
+from engine_server.frontend.outputs import GenerateOutput, OutputSink, PlainSink
 from engine_server.frontend.request_state import RequestState
 
 if TYPE_CHECKING:
@@ -35,12 +35,15 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    def set_sink(self, sink: OutputSink | None) -> None:
+    def set_sink(self, sink: OutputSink | None, plain_sink: PlainSink | None = None) -> None:
         """Offer each output to `sink(output) -> bool` on the engine's output task before waking the consumer.
 
-        What it declines (False) is yielded here, in order; None: back to yielding everything.
+        What it declines (False) is yielded here, in order; None: back to yielding everything. `plain_sink`
+        (only with a sink) is offered plain news first, as the chunk alone (outputs.PlainSink).
         """
-        self._state.sink = sink
+        state = self._state
+        state.sink = sink
+        state.plain_sink = plain_sink if sink is not None else None
 
     async def __anext__(self) -> GenerateOutput:
         state = self._state
