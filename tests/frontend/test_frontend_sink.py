@@ -6,7 +6,7 @@ import asyncio
 
 from engine_server.engine.types import SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
-from engine_server.frontend.outputs import GenerateOutput, GenerateRequest
+from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest
 from engine_server.frontend.tokenizer import Tokenizer
 
 TIMEOUT = 10.0
@@ -88,3 +88,65 @@ async def test_a_failing_sink_falls_back_to_the_iterator(
     again = _request(tokenizer, "after-broken", "still serving")
     async with asyncio.timeout(TIMEOUT):
         assert _ids([o async for o in fake_engine.generate(again)]) == list(again.prompt_token_ids)
+
+
+async def test_plain_news_goes_to_the_plain_sink_as_the_chunk_alone(
+    fake_engine: AsyncEngine, tokenizer: Tokenizer
+) -> None:
+    request = _request(tokenizer, "plain-all", "one two three four five six seven eight nine ten")
+    delivered: list[list[int]] = []  # token ids of each delivery, whichever sink took it
+    num_plain = 0
+    finished: list[GenerateOutput] = []
+    declined_plain = 0
+
+    def plain(chunk: CompletionChunk) -> bool:
+        nonlocal num_plain, declined_plain
+        assert chunk.index == 0
+        assert chunk.finish_reason is None
+        assert chunk.logprobs is None
+        if (num_plain + declined_plain) % 3 == 2:  # some declined: that news must reach `take` instead
+            declined_plain += 1
+            return False
+        num_plain += 1
+        delivered.append(list(chunk.token_ids))
+        return True
+
+    def take(output: GenerateOutput) -> bool:
+        delivered.append(_ids([output]))
+        if output.finished:
+            finished.append(output)
+        return True
+
+    stream = fake_engine.generate(request)
+    stream.set_sink(take, plain)
+    async with asyncio.timeout(TIMEOUT):
+        yielded = [output async for output in stream]
+    assert yielded == []
+    assert num_plain >= 2
+    assert declined_plain >= 1
+    assert [token_id for ids in delivered for token_id in ids] == list(request.prompt_token_ids)
+    assert len(finished) == 1  # the end is never plain: it reaches the full sink
+    assert finished[0].chunks[-1].num_completion_tokens == len(request.prompt_token_ids)
+
+
+async def test_a_failing_plain_sink_falls_back_to_the_iterator(
+    fake_engine: AsyncEngine, tokenizer: Tokenizer
+) -> None:
+    request = _request(tokenizer, "plain-broken", "the plain sink raises but the stream survives")
+    offered: list[GenerateOutput] = []
+
+    def broken(chunk: CompletionChunk) -> bool:
+        raise RuntimeError("plain sink bug")
+
+    def take(output: GenerateOutput) -> bool:
+        offered.append(output)
+        return True
+
+    stream = fake_engine.generate(request)
+    stream.set_sink(take, broken)
+    async with asyncio.timeout(TIMEOUT):
+        yielded = [output async for output in stream]
+    # NOTE: both sinks are dropped with the failure: everything from then on comes through the iterator
+    assert offered == []
+    assert _ids(yielded) == list(request.prompt_token_ids)
+    assert yielded[-1].finished
