@@ -93,9 +93,11 @@ def test_logprobs_match_reference_log_softmax(engine: LLMEngine, ref_model: Any)
         assert len(entry.top) == 3
 
 
-def test_prompt_logprobs_across_prefill_chunks(model_dir: Any, ref_model: Any) -> None:
-    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=64, max_num_batched_tokens=16))
-    prompt = _prompt(5, 50)  # four chunks of at most 16 tokens
+@pytest.mark.parametrize("budget", [16, 1], ids=["chunks-of-16", "chunks-of-1"])
+def test_prompt_logprobs_across_prefill_chunks(model_dir: Any, ref_model: Any, budget: int) -> None:
+    # NOTE: 1-token chunks are laid out as decodes are (model_runner's single-token rows)
+    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=64, max_num_batched_tokens=budget))
+    prompt = _prompt(5, 50)  # four chunks of at most 16 tokens, or 50 of one
     got = run(engine, [EngineRequest("c", prompt, SamplingParams(temperature=0.0, max_tokens=2,
                                                                  prompt_logprobs=0))])
     with torch.inference_mode():

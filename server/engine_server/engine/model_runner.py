@@ -130,13 +130,27 @@ class ModelRunner:
         sample_rows: dict[int, int] = {}
         prompt_rows: dict[int, tuple[int, int, int]] = {}
         chunks: list[PrefillChunk] = []
-        for s in decodes + prefills:
+        size = self.block_size
+        for s in decodes:
+            # NOTE: the general body below, written out for one token (~2x faster: most of a step's rows)
+            seq, start = s.seq, s.start
+            q_start = len(input_ids)
+            input_ids.append(seq.token_ids[start])
+            positions.append(start)
+            slot_mapping.append(seq.block_table[start // size] * size + start % size)
+            if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:  # a prompt's 1-token chunk
+                prompt_rows[seq.seq_id] = (len(keep), 1, start)
+                keep.append(q_start)
+            if s.completes:
+                sample_rows[seq.seq_id] = len(keep)
+                keep.append(q_start)
+        for s in prefills:
             seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
             q_start = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq.block_table, start, end))
-            if s.num_new_tokens > 1 and not in_kernel(s):
+            if not in_kernel(s):
                 self._add_prefill_chunk(chunks, s, q_start)
             if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
                 # position p's logits score prompt token p + 1
