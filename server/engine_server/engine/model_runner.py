@@ -244,14 +244,20 @@ class ModelRunner:
         `seqs`, one per new token: a decode's one, or each token of a chunk (attending up to itself)."""
         context_lens: list[int] = []
         for s in seqs:
-            context_lens.extend(range(s.start + 1, s.start + s.num_new_tokens + 1))
-        max_blocks = -(-max(s.start + s.num_new_tokens for s in seqs) // self.block_size)
+            if s.num_new_tokens == 1:
+                context_lens.append(s.start + 1)
+            else:
+                context_lens.extend(range(s.start + 1, s.start + s.num_new_tokens + 1))
+        max_blocks = -(-max(context_lens) // self.block_size)
+        padding = [0] * max_blocks
         tables: list[int] = []
         for s in seqs:
-            table = s.seq.block_table[:max_blocks]
-            tables += table
-            if len(table) < max_blocks:
-                tables += [0] * (max_blocks - len(table))
+            table = s.seq.block_table
+            if len(table) >= max_blocks:
+                tables += table[:max_blocks]
+            else:
+                tables += table
+                tables += padding[:max_blocks - len(table)]
         tables_t = self._int64(tables).view(len(seqs), max_blocks)
         if len(context_lens) > len(seqs):  # a sequence's table for each of its rows
             rows = self._int64([s.num_new_tokens for s in seqs])
