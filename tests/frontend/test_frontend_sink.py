@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from engine_server.engine.types import SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
@@ -21,6 +22,15 @@ def _ids(outputs: list[GenerateOutput]) -> list[int]:
     return [token_id for output in outputs for chunk in output.chunks for token_id in chunk.token_ids]
 
 
+async def _yielded(engine: AsyncEngine, request: GenerateRequest, sink: Callable[[GenerateOutput], bool],
+                   plain_sink: Callable[[CompletionChunk], bool] | None = None) -> list[GenerateOutput]:
+    """Runs `request` with the sinks set; what its iterator yielded (what the sinks did not take)."""
+    stream = engine.generate(request)
+    stream.set_sink(sink, plain_sink)
+    async with asyncio.timeout(TIMEOUT):
+        return [output async for output in stream]
+
+
 async def test_a_sink_that_takes_everything_leaves_the_iterator_only_the_end(
     fake_engine: AsyncEngine, tokenizer: Tokenizer
 ) -> None:
@@ -31,11 +41,7 @@ async def test_a_sink_that_takes_everything_leaves_the_iterator_only_the_end(
         pushed.append(output)
         return True
 
-    stream = fake_engine.generate(request)
-    stream.set_sink(take)
-    async with asyncio.timeout(TIMEOUT):
-        yielded = [output async for output in stream]
-    assert yielded == []
+    assert await _yielded(fake_engine, request, take) == []
     assert _ids(pushed) == list(request.prompt_token_ids)
     assert pushed[-1].finished
     assert not any(output.finished for output in pushed[:-1])
@@ -78,10 +84,7 @@ async def test_a_failing_sink_falls_back_to_the_iterator(
     def broken(output: GenerateOutput) -> bool:
         raise RuntimeError("sink bug")
 
-    stream = fake_engine.generate(request)
-    stream.set_sink(broken)
-    async with asyncio.timeout(TIMEOUT):
-        yielded = [output async for output in stream]
+    yielded = await _yielded(fake_engine, request, broken)
     assert _ids(yielded) == list(request.prompt_token_ids)
     assert yielded[-1].finished
     # the engine's output task survived: the next request is served
@@ -117,11 +120,7 @@ async def test_plain_news_goes_to_the_plain_sink_as_the_chunk_alone(
             finished.append(output)
         return True
 
-    stream = fake_engine.generate(request)
-    stream.set_sink(take, plain)
-    async with asyncio.timeout(TIMEOUT):
-        yielded = [output async for output in stream]
-    assert yielded == []
+    assert await _yielded(fake_engine, request, take, plain) == []
     assert num_plain >= 2
     assert declined_plain >= 1
     assert [token_id for ids in delivered for token_id in ids] == list(request.prompt_token_ids)
@@ -142,10 +141,7 @@ async def test_a_failing_plain_sink_falls_back_to_the_iterator(
         offered.append(output)
         return True
 
-    stream = fake_engine.generate(request)
-    stream.set_sink(take, broken)
-    async with asyncio.timeout(TIMEOUT):
-        yielded = [output async for output in stream]
+    yielded = await _yielded(fake_engine, request, take, broken)
     # NOTE: both sinks are dropped with the failure: everything from then on comes through the iterator
     assert offered == []
     assert _ids(yielded) == list(request.prompt_token_ids)

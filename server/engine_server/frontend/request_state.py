@@ -49,7 +49,7 @@ class RequestState:
     __slots__ = (
         "_completions",
         "_error_text",
-                "_pending",
+        "_pending",
         "_prompt_logprobs",
         "_request",
         "abort_sent",
@@ -103,13 +103,8 @@ class RequestState:
         # NOTE: without stop strings there is a detokenizer exactly when text was asked for.
         detokenizer = completion.detokenizer
         text = detokenizer.add_many(token_ids) if detokenizer is not None else ""
-        num_tokens = completion.num_tokens = completion.num_tokens + len(token_ids)
-        pending = self._pending
-        if 0 in pending:
-            self._add_chunk(0, token_ids, text, None, None, None)
-        else:  # (the commonest case written out: once per request per step)
-            self.has_news = True
-            pending[0] = CompletionChunk(0, token_ids, text, None, None, None, num_tokens)
+        completion.num_tokens += len(token_ids)
+        self._add_chunk(0, token_ids, text, None, None, None)
         return False
 
     def process(self, delta: CompletionDelta) -> bool:
