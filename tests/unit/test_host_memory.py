@@ -1,4 +1,5 @@
-"""The CPU KV cache's memory: zeroed, aligned to huge pages, huge pages where the system grants them."""
+"""The CPU KV cache's memory: zeroed, aligned to huge pages, huge pages where the system grants them, faulted
+in when allocated."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from engine_server.engine import host_memory
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _anon_huge_kib(address: int) -> int | None:
-    """AnonHugePages of the mapping holding `address` in /proc/self/smaps (None: no such mapping)."""
+def _smaps_kib(address: int, field: str) -> int | None:
+    """A field (kB) of the mapping holding `address` in /proc/self/smaps (None: no such mapping)."""
     mapping = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
         if head:
             mapping = int(head[1], 16) <= address < int(head[2], 16)
-        elif mapping and line.startswith("AnonHugePages:"):
+        elif mapping and line.startswith(f"{field}:"):
             return int(line.split()[1])
     return None
 
@@ -47,6 +48,15 @@ def test_memory_outlives_every_name_but_the_tensor() -> None:
     assert float(view.sum()) == 20.0
 
 
+def test_the_memory_is_resident_before_anything_touches_it() -> None:
+    nbytes = 3 * host_memory.HUGE_PAGE + 12345 * 4  # a last page only partly used
+    t = host_memory.zeros((nbytes // 4,), torch.float32)
+    resident = _smaps_kib(t.data_ptr(), "Rss")
+    assert resident is not None
+    assert resident * 1024 >= nbytes, f"Rss {resident} kB of a {nbytes}-byte tensor"
+    assert not t.any()
+
+
 def test_an_empty_shape_is_an_empty_tensor() -> None:
     assert host_memory.zeros((0, 16), torch.float32).shape == (0, 16)
 
@@ -56,6 +66,6 @@ def test_an_empty_shape_is_an_empty_tensor() -> None:
 def test_touched_memory_is_backed_by_huge_pages() -> None:
     t = host_memory.zeros((4 * host_memory.HUGE_PAGE // 4,), torch.float32)  # 4 huge pages of float32
     t.fill_(1.0)
-    huge = _anon_huge_kib(t.data_ptr())
+    huge = _smaps_kib(t.data_ptr(), "AnonHugePages")
     assert huge is not None
     assert huge >= 2048, f"AnonHugePages {huge} kB in the KV cache's mapping"

@@ -1,4 +1,5 @@
-"""The KV cache's host memory on CPU: zeroed, 2 MiB aligned, backed by transparent huge pages.
+"""The KV cache's host memory on CPU: zeroed, 2 MiB aligned, backed by transparent huge pages, faulted in at
+allocation.
 
 NOTE: decode attention reads every sequence's blocks, scattered over the whole cache, once per layer. In 4 KiB
 pages each 2 KiB block is its own page walk once the cache outgrows the TLB's reach (a few MiB); torch's
@@ -6,6 +7,11 @@ allocator gives large tensors plain pages unless the system's THP mode is "alway
 "madvise"). Measured on a 2-vCPU Intel Xeon, 256 sequences of 150 positions scattered over a 256 MiB cache:
 the decode kernel took ~33 ns per position in 4 KiB pages, ~28 in huge pages (interleaved runs).
 Where the kernel refuses huge pages (THP "never", no madvise) this is still ordinary zeroed memory.
+
+Faulted in at allocation, as GPU memory is backed at once. Left to first touch, the steps that first used
+a block paid for faulting in its memory while serving: engine only, tiny model, waves of 256 requests of
+100 + 100 tokens on a 256 MiB cache, ~0.14 s of system time per ~1.3 s wave (~5 us per generated token) until
+the whole cache had been touched (five waves); none once faulted in. Faulting in 256 MiB here takes ~20 ms.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ HUGE_PAGE = 2 << 20
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed contiguous CPU tensor whose memory starts on a huge-page boundary, advised as huge pages.
+    """A zeroed contiguous CPU tensor whose memory starts on a huge-page boundary, advised as huge pages and
+    faulted in.
 
     The tensor keeps its mapping alive (torch.frombuffer holds the buffer); the memory returns to the system
     when the last view of the tensor goes.
@@ -45,4 +52,6 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         except OSError as e:  # a kernel built without THP: small pages, same contents
             logger.debug("madvise(MADV_HUGEPAGE) refused: %s", e)
     tensor = torch.frombuffer(view, dtype=dtype, count=numel, offset=offset)
+    # a write per page faults it in (zeros over zeros: the contents stay); a read would only map the zero page
+    torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=offset)[::mmap.PAGESIZE].fill_(0)
     return tensor.view(shape)
