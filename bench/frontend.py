@@ -152,18 +152,23 @@ class Server:
         self.log.close()
 
 
-def num_requests(concurrency: int, engine: str, quick: bool) -> int:
+def num_requests(concurrency: int, step_ms: float | None, quick: bool) -> int:
+    """Requests per run: whole waves (one request per stream each); `step_ms`: the simulated engine's step."""
     if quick:
         return max(concurrency, 4)
-    # NOTE: a run at 256 streams on the simulated engine lasts a few seconds only with this many waves; with
-    # fewer, the first wave's start-up (every stream admitted at once) dominates and the numbers scatter.
-    waves = 10 if engine.startswith("sim") else 3
+    # NOTE: simulated engine: ~5 s per run at 256 streams (1 ms steps: 30 waves, 5 ms: 10). A run's start
+    # (every stream admitted at once) and end (the last wave draining) are not steady serving and weigh on
+    # short runs: at 1 ms steps, 10 waves (~1.7 s) gave engine-server ~150k tokens/s and the in-process row
+    # ~172k (0.87x), 30 waves ~155k and ~169k (0.92x; 2-3 rounds of each, minutes apart).
+    waves = 3 if step_ms is None else max(10, round(30 / step_ms))
     return max(waves * concurrency, 8)
 
 
 def measure(server: Server, engine: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
     cpu0 = tree_cpu_seconds(server.pids)
-    result = server.run_load(concurrency, num_requests(concurrency, engine, args.quick), args)
+    result = server.run_load(
+        concurrency, num_requests(concurrency, report.sim_step_ms(engine, args.step_ms), args.quick), args
+    )
     busy_s = tree_cpu_seconds(server.pids) - cpu0
     row = {"engine": engine, "server": server.kind, "concurrency": concurrency, **result,
            "server_cpu_us_per_token": busy_s * 1e6 / max(1, result["num_tokens"]),
