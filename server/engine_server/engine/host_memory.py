@@ -53,5 +53,5 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             logger.debug("madvise(MADV_HUGEPAGE) refused: %s", e)
     tensor = torch.frombuffer(view, dtype=dtype, count=numel, offset=offset)
     # a write per page faults it in (zeros over zeros: the contents stay); a read would only map the zero page
-    torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=offset)[::mmap.PAGESIZE].fill_(0)
+    tensor.view(torch.uint8)[::mmap.PAGESIZE].fill_(0)
     return tensor.view(shape)
