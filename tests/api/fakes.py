@@ -63,6 +63,9 @@ class FakeStream:
     def set_sink(self, sink: object, plain_sink: object = None) -> None:
         """Never pushes: the servicer's pull path (every output through the iterator) stays covered."""
 
+    def set_ready_callback(self, callback: object) -> bool:
+        return False  # never calls back: the consumer must iterate (the call keeps its task)
+
     async def __anext__(self) -> GenerateOutput:
         if self._is_done:
             raise StopAsyncIteration
@@ -108,6 +111,9 @@ class FakeStream:
         self._aborted.set()
 
     async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
         if not self._is_done:
             self._is_done = True
             self._engine.num_cancelled += 1

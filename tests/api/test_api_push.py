@@ -55,7 +55,13 @@ class PushingStream:
         await self._release.wait()
         raise StopAsyncIteration
 
+    def set_ready_callback(self, callback: Callable[[], None] | None) -> bool:
+        return True  # never called back: every output is taken by the sinks
+
     async def aclose(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 

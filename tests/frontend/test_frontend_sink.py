@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import pytest
 from engine_server.engine.types import SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
 from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest
@@ -146,3 +147,80 @@ async def test_a_failing_plain_sink_falls_back_to_the_iterator(
     assert offered == []
     assert _ids(yielded) == list(request.prompt_token_ids)
     assert yielded[-1].finished
+
+
+async def test_the_ready_callback_is_called_once_the_stream_needs_a_consumer(
+    fake_engine: AsyncEngine, tokenizer: Tokenizer
+) -> None:
+    """A consumer that is not waiting in the iterator (a task-less call) is called back, once, when the sink
+    declines; from then on it iterates, and gets everything after what the sink took, in order."""
+    request = _request(tokenizer, "ready-cb", "alpha beta gamma delta epsilon zeta eta theta iota kappa")
+    delivered: list[GenerateOutput] = []
+    num_ready = 0
+    ready = asyncio.Event()
+
+    def first_two(output: GenerateOutput) -> bool:
+        if len(delivered) >= 2:
+            return False
+        delivered.append(output)
+        return True
+
+    def on_ready() -> None:
+        nonlocal num_ready
+        num_ready += 1
+        ready.set()
+
+    stream = fake_engine.generate(request)
+    stream.set_sink(first_two)
+    assert stream.set_ready_callback(on_ready)
+    async with asyncio.timeout(TIMEOUT):
+        await ready.wait()
+        async for output in stream:  # the consumer takes over
+            delivered.append(output)
+    assert num_ready == 1
+    assert _ids(delivered) == list(request.prompt_token_ids)
+    assert delivered[-1].finished
+
+
+async def test_a_sink_that_takes_the_end_leaves_the_ready_callback_uncalled_until_cleared(
+    fake_engine: AsyncEngine, tokenizer: Tokenizer
+) -> None:
+    request = _request(tokenizer, "ready-end", "one two three four")
+    pushed: list[GenerateOutput] = []
+    calls: list[str] = []
+    stream = fake_engine.generate(request)
+
+    ended = asyncio.Event()
+
+    def take(output: GenerateOutput) -> bool:
+        pushed.append(output)
+        if output.finished:  # as StreamedGenerate.push ends a task-less call: no consumer is needed
+            stream.set_ready_callback(None)
+            ended.set()
+        return True
+
+    stream.set_sink(take)
+    assert stream.set_ready_callback(lambda: calls.append("ready"))
+    async with asyncio.timeout(TIMEOUT):
+        await ended.wait()
+    assert calls == []
+    assert _ids(pushed) == list(request.prompt_token_ids)
+    # once something is there for a consumer, the callback is refused (iterate instead)
+    assert not stream.set_ready_callback(lambda: calls.append("late"))
+    stream.close()
+
+
+async def test_a_failed_request_calls_the_ready_callback(
+    fake_engine: AsyncEngine, tokenizer: Tokenizer
+) -> None:
+    request = _request(tokenizer, "ready-fail", "one two three four five six")
+    stream = fake_engine.generate(request)
+    ready = asyncio.Event()
+    stream.set_sink(lambda output: True)
+    assert stream.set_ready_callback(ready.set)
+    stream._state.fail(RuntimeError("the core went away"))
+    async with asyncio.timeout(TIMEOUT):
+        await ready.wait()
+    with pytest.raises(RuntimeError, match="core went away"):
+        async for _ in stream:
+            pass

@@ -19,17 +19,18 @@ always did.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Collection
-from typing import Any
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from grpclib.const import Cardinality, Status
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.events import RecvMessage, RecvRequest
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
-from grpclib.metadata import Deadline, decode_metadata
+from grpclib.metadata import Deadline, _Metadata, decode_metadata
 from grpclib.server import Handler, Stream, request_handler
 from grpclib.utils import DeadlineWrapper, Wrapper
 
@@ -51,40 +52,144 @@ class FastPathHandler(Handler):
     __gc_interval__ = 256
 
     def __init__(
-        self, *args: Any, fast_methods: Collection[str], stats: GuardStats | None = None, **kwargs: Any
+        self, *args: Any, fast_methods: Collection[str], direct: Mapping[str, DirectStart] | None = None,
+        stats: GuardStats | None = None, **kwargs: Any
     ) -> None:
+        """`direct`: fast methods (paths) whose calls the given function serves without a task if it can."""
         super().__init__(*args, **kwargs)
         self._fast_methods = frozenset(fast_methods)
         self._stats = stats
         self._size_limit, self._wrappers = _call_listeners(self.dispatch)
+        direct_ok = (self._size_limit is not None
+                     and all(isinstance(listener, DirectListener) for listener in self._wrappers))
+        self._direct_starts = {path: start for path, start in (direct or {}).items()
+                               if direct_ok and path in self._fast_methods}
+        self._direct: dict[Any, DirectCall] = {}  # calls served without a task (or about to be), by stream
 
     def accept(self, stream: Any, headers: list[tuple[str, str]], release_stream: Callable[[], Any]) -> None:
         self.__gc_step__()
-        self._tasks[stream] = self.loop.create_task(self._handle(stream, headers, release_stream))
-
-    async def _handle(
-        self, stream: Any, headers: list[tuple[str, str]], release_stream: Callable[[], Any]
-    ) -> None:
         headers_map = dict(headers)
+        start = self._direct_starts.get(headers_map.get(":path", "")) if self._direct_starts else None
+        if start is not None:
+            direct = DirectCall(self, stream, headers, release_stream)
+            direct.pending = self.loop.call_soon(self._start_direct, direct, headers_map, start)
+            self._direct[stream] = direct
+            return
+        self._tasks[stream] = self.loop.create_task(
+            self._handle(stream, headers, headers_map, release_stream)
+        )
+
+    def _start_direct(self, direct: DirectCall, headers_map: dict[str, str], start: DirectStart) -> None:
+        """A direct call's first step (where a task's would be): served without a task if it qualifies."""
+        direct.pending = None
+        stream = direct.stream
+        taken = self._take_request(stream, direct.headers, headers_map)
+        admitted, metadata = self._admitted(direct.headers, headers_map[":path"])
+        if taken is not None and taken[2] is None and admitted:
+            method, body, _ = taken
+            call = direct.call = self._new_call(stream, headers_map, method, None)
+            call.metadata = metadata
+            try:
+                started = start(call, body, direct)
+            except Exception:  # NOTE: a bug; the client gets a reset instead of a call that never ends
+                log.exception("Server error")
+                direct.fail()
+                return
+            if started:
+                if self._stats is not None:
+                    self._stats.num_fast_path_calls += 1
+                    self._stats.num_direct_calls += 1
+                return
+        del self._direct[stream]
+        self._tasks[stream] = self.loop.create_task(
+            self._handle(stream, direct.headers, headers_map, direct.release_stream, taken)
+        )
+
+    def _admitted(self, headers: list[tuple[str, str]], path: str) -> tuple[bool, _Metadata | None]:
+        """Whether every listener lets the call be served without a task (not so for an invalid API key: its
+        error comes from the task's path), and the call's metadata (None: no listener needed it yet)."""
+        if not self._wrappers:
+            return True, None
+        metadata = decode_metadata(headers)
+        return all(listener.admits_direct(path, metadata) for listener in self._wrappers), metadata
+
+    def cancel(self, stream: Any) -> None:
+        direct = self._direct.pop(stream, None)
+        if direct is None:
+            super().cancel(stream)
+        else:
+            direct.cancel()
+
+    def close(self) -> None:
+        directs = list(self._direct.values())
+        self._direct.clear()
+        for direct in directs:
+            direct.cancel()
+        super().close()
+
+    def check_closed(self) -> bool:
+        return super().check_closed() and not self._direct
+
+    def _continue(self, direct: DirectCall, func: Callable[[Stream[Any, Any]], Awaitable[None]]) -> None:
+        """A direct call's task, from where it stopped."""
+        stream = direct.stream
+        if self._direct.pop(stream, None) is None:
+            return  # cancelled already
+        self._tasks[stream] = self.loop.create_task(self._resume(direct, func))
+
+    async def _resume(self, direct: DirectCall, func: Callable[[Stream[Any, Any]], Awaitable[None]]) -> None:
+        call = direct.call
+        assert call is not None
+        try:
+            await self._serve(direct.stream, call, direct.headers, func)
+        except ProtocolError:
+            log.exception("Application error")
+        except Exception:
+            log.exception("Server error")
+        finally:
+            direct.release_stream()
+
+    def _ended(self, direct: DirectCall, status: Status) -> None:
+        self._direct.pop(direct.stream, None)
+        path = direct.call._method_name if direct.call is not None else ""
+        for listener in self._wrappers:
+            listener.direct_call_ended(path, status)
+        direct.release_stream()
+
+    def _take_request(
+        self, stream: Any, headers: list[tuple[str, str]], headers_map: dict[str, str]
+    ) -> tuple[Any, bytes, Deadline | None] | None:
+        """(method, request, deadline) of a call that qualifies for the fast path, its request read from
+        the buffer; else None (nothing read)."""
         path = headers_map.get(":path")
         method = self.mapping.get(path) if path in self._fast_methods else None
-        request = deadline = None
-        if method is not None and self._size_limit is not None and _plain_headers(headers_map, self.codec):
-            try:
-                # (grpclib's parse walks every header; most calls carry no grpc-timeout at all)
-                deadline = Deadline.from_headers(headers) if "grpc-timeout" in headers_map else None
-            except ValueError:  # grpclib answers it (UNKNOWN, "Invalid grpc-timeout header")
-                pass
-            else:
-                request = _buffered_request(stream, method, self._size_limit.max_receive_message_size)
-        if request is None:
+        if method is None or self._size_limit is None or not _plain_headers(headers_map, self.codec):
+            return None
+        try:
+            # (grpclib's parse walks every header; most calls carry no grpc-timeout at all)
+            deadline = Deadline.from_headers(headers) if "grpc-timeout" in headers_map else None
+        except ValueError:  # grpclib answers it (UNKNOWN, "Invalid grpc-timeout header")
+            return None
+        request = _buffered_request(stream, method, self._size_limit.max_receive_message_size)
+        return None if request is None else (method, request, deadline)
+
+    async def _handle(
+        self, stream: Any, headers: list[tuple[str, str]], headers_map: dict[str, str],
+        release_stream: Callable[[], Any], taken: tuple[Any, bytes, Deadline | None] | None = None,
+    ) -> None:
+        if taken is None:
+            taken = self._take_request(stream, headers, headers_map)
+        if taken is None:
             await request_handler(self.mapping, stream, headers, self.codec, self.status_details_codec,
                                   self.dispatch, release_stream)
             return
+        method, request, deadline = taken
         if self._stats is not None:
             self._stats.num_fast_path_calls += 1
         try:
-            await self._serve(stream, headers, headers_map, method, request, deadline)
+            call = self._new_call(stream, headers_map, method, deadline)
+            call.recv_message = _Once(call, request)  # type: ignore[method-assign]
+            await self._serve(stream, call, headers, method.func)
         except ProtocolError:
             log.exception("Application error")
         except Exception:
@@ -92,14 +197,19 @@ class FastPathHandler(Handler):
         finally:
             release_stream()
 
-    async def _serve(self, stream: Any, headers: list[tuple[str, str]], headers_map: dict[str, str],
-                     method: Any, body: bytes, deadline: Deadline | None) -> None:
-        # NOTE: as grpclib's request_handler, for a call whose request is `body`.
-        async with Stream(
+    def _new_call(self, stream: Any, headers_map: dict[str, str], method: Any,
+                  deadline: Deadline | None) -> Stream[Any, Any]:
+        return Stream(
             stream, headers_map[":path"], method.cardinality, method.request_type, method.reply_type,
             codec=self.codec, status_details_codec=self.status_details_codec, dispatch=self.dispatch,
             deadline=deadline, user_agent=headers_map.get("user-agent"),
-        ) as call:
+        )
+
+    async def _serve(self, stream: Any, call: Stream[Any, Any], headers: list[tuple[str, str]],
+                     method_func: Callable[[Stream[Any, Any]], Awaitable[None]]) -> None:
+        # NOTE: as grpclib's request_handler, for a call whose request was read already.
+        deadline = call.deadline
+        async with call:
             wrapper: Wrapper
             deadline_wrapper: contextlib.AbstractContextManager[Any]
             if deadline is None:
@@ -110,13 +220,13 @@ class FastPathHandler(Handler):
                 deadline_wrapper = wrapper.start(deadline)
             try:
                 with deadline_wrapper, wrapper:
-                    call.metadata = metadata = decode_metadata(headers)
-                    method_func = method.func
+                    if call.metadata is None:
+                        call.metadata = decode_metadata(headers)
+                    metadata = call.metadata
                     for wrapper_listener in self._wrappers:  # as grpclib's RecvRequest dispatch, in order
                         method_func = wrapper_listener.wrap_method(
                             method_func, method_name=call._method_name, metadata=metadata, peer=call.peer
                         )
-                    call.recv_message = _Once(call, body)  # type: ignore[method-assign]
                     await method_func(call)
             except GRPCError:
                 raise
@@ -138,6 +248,74 @@ class FastPathHandler(Handler):
             except Exception:
                 log.exception("Application error")
                 raise
+
+
+@runtime_checkable
+class DirectListener(Protocol):
+    """A RecvRequest listener that direct calls can apply without a task (besides its `wrap_method`)."""
+
+    def wrap_method(self, method_func: Any, *, method_name: str, metadata: Any, peer: Any) -> Any: ...
+
+    def admits_direct(self, method_name: str, metadata: _Metadata) -> bool:
+        """Whether `wrap_method` would leave the call as it is (no side effect)."""
+        ...
+
+    def direct_call_ended(self, method_name: str, status: Status) -> None:
+        """What `wrap_method`'s wrapper does at the end of a call that ended with `status`."""
+        ...
+
+
+class DirectCall:
+    """A fast-path call served without a task of its own, as far as the handler is concerned.
+
+    The method's `DirectStart` gets it, sets `on_cancel`, and later calls exactly one of `end()` (the call
+    ended: its trailers were written) or `continue_in_task(func)` (from here a task runs `func(call)` as
+    the method's rest, under the fast path's error handling, listeners and release), unless the client
+    resets the stream or the connection goes first: then `on_cancel()` is called and the call is over.
+    """
+
+    __slots__ = ("_handler", "call", "headers", "on_cancel", "pending", "release_stream", "stream")
+
+    def __init__(self, handler: FastPathHandler, stream: Any, headers: list[tuple[str, str]],
+                 release_stream: Callable[[], Any]) -> None:
+        self._handler = handler
+        self.stream = stream
+        self.headers = headers
+        self.release_stream = release_stream
+        self.call: Stream[Any, Any] | None = None
+        self.pending: asyncio.Handle | None = None  # the first step, not run yet
+        self.on_cancel: Callable[[], None] | None = None
+
+    def end(self) -> None:
+        self._handler._ended(self, Status.OK)
+
+    def continue_in_task(self, func: Callable[[Stream[Any, Any]], Awaitable[None]]) -> None:
+        self._handler._continue(self, func)
+
+    def cancel(self) -> None:
+        """The client reset the stream or the connection is gone (the handler forgot this call already)."""
+        if self.pending is not None:  # NOTE: as a task cancelled before its first step, but released
+            self.pending.cancel()
+            self.pending = None
+            self.release_stream()
+            return
+        on_cancel, self.on_cancel = self.on_cancel, None
+        if on_cancel is not None:
+            on_cancel()
+        self._handler._ended(self, Status.CANCELLED)
+
+    def fail(self) -> None:
+        """The start failed unexpectedly: the stream is reset and released."""
+        self._handler._direct.pop(self.stream, None)
+        with contextlib.suppress(Exception):
+            if self.stream.closable:
+                self.stream.reset_nowait()
+        self.release_stream()
+
+
+# A method's task-less server: (call, request bytes, DirectCall) -> False if it did nothing (a task serves
+# the call then, as any fast-path call).
+DirectStart = Callable[[Stream[Any, Any], bytes, DirectCall], bool]
 
 
 class _Once:

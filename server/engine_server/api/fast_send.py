@@ -161,14 +161,23 @@ class FastSender:
         books.num_bytes += size
         return True
 
+    @property
+    def initial_metadata_sent(self) -> bool:
+        return bool(self._stream._send_initial_metadata_done)
+
     async def send_initial_metadata(self) -> None:
         """The response headers (no custom metadata)."""
+        if not self.try_send_initial_metadata():
+            await self._stream.send_initial_metadata()
+
+    def try_send_initial_metadata(self) -> bool:
+        """The response headers now if the fast path applies; False: nothing was written."""
         stream = self._stream
         if not (self._headers_ok and not stream._send_initial_metadata_done
                 and self._try_send_headers(initial_headers_block(stream._content_type), end_stream=False)):
-            await stream.send_initial_metadata()
-            return
+            return False
         stream._send_initial_metadata_done = True
+        return True
 
     def try_send_ok_trailers(self) -> bool:
         """Ends the call with status OK if the fast path applies; False: grpclib's `Stream.__aexit__` will.

@@ -5,7 +5,7 @@ NOTE: typed structurally so the servicer depends on behaviour, not on the fronte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -43,9 +43,14 @@ class OutputStream(Protocol):
     def __aiter__(self) -> OutputStream: ...
     async def __anext__(self) -> GenerateOutput: ...
     async def aclose(self) -> None: ...
+    def close(self) -> None:
+        """`aclose()` without awaiting."""
     def set_sink(self, sink: OutputSink | None, plain_sink: PlainSink | None = None) -> None:
         """Offer outputs to `sink` before waking the consumer (None: stop), plain news to `plain_sink` first
         (outputs.PlainSink); a stream may never call either."""
+    def set_ready_callback(self, callback: Callable[[], None] | None) -> bool:
+        """Call `callback()` once instead of waking a consumer that is not waiting in `__anext__`; False:
+        not kept (the stream has something for a consumer now, or cannot call back: iterate it instead)."""
 
 
 class EngineHandle(Protocol):

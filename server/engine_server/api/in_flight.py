@@ -7,7 +7,8 @@ from types import TracebackType
 
 
 class InFlight:
-    """`with in_flight:` around a handler's streaming part; `wait_idle()` returns once none is left.
+    """`with in_flight:` (or `enter()` ... `leave()`) around a handler's streaming part; `wait_idle()` returns
+    once none is left.
 
     NOTE: one per server, shared by engine.v1 and the vLLM-compatible service, so a drain sees both. Unlike
     the stream limit (server-wide with --api-workers), it counts this process's handlers only: they are what
@@ -28,12 +29,18 @@ class InFlight:
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    def __enter__(self) -> None:
+    def enter(self) -> None:
         self._count += 1
         self._idle.clear()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def leave(self) -> None:
         self._count -= 1
         if self._count == 0:
             self._idle.set()
+
+    def __enter__(self) -> None:
+        self.enter()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.leave()

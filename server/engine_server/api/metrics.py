@@ -160,3 +160,10 @@ class _CallCounter:
                 requests.labels(rpc, code.name).inc()
 
         return counted
+
+    def admits_direct(self, method_name: str, metadata: Any) -> bool:
+        """Every call may go on as it is; it is counted at its end (api/fast_path.DirectListener)."""
+        return True
+
+    def direct_call_ended(self, method_name: str, status: Status) -> None:
+        self._requests.labels(method_name.rsplit("/", 1)[-1], status.name).inc()

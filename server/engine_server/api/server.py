@@ -104,7 +104,10 @@ class EngineServer:
             handlers = ServerReflection.extend(handlers)
         self._server: GuardedServer = build_server(
             handlers, config.security,
-            handler_factory=functools.partial(FastPathHandler, fast_methods=_FAST_METHODS),
+            handler_factory=functools.partial(
+                FastPathHandler, fast_methods=_FAST_METHODS,
+                direct={EngineServicer.GENERATE_PATH: self.servicer.start_generate},
+            ),
         )
         if self.metrics is not None:
             self.metrics.install(self._server)

@@ -16,19 +16,21 @@ from grpclib.exceptions import GRPCError
 import engine_server
 from engine_server.api import convert, responses
 from engine_server.api.errors import RequestFailed, ServerBusy, to_grpc_error
-from engine_server.api.fast_send import FastSender
 from engine_server.api.in_flight import InFlight
+from engine_server.api.security.limits import count_received
 from engine_server.api.stream_limit import LocalStreamLimit, StreamSlot
+from engine_server.api.streamed_generate import StreamedGenerate
 from engine_server.engine.types import EngineDead
 from engine_server.frontend.outputs import EngineState
 
 if TYPE_CHECKING:
     from grpclib.server import Stream
 
+    from engine_server.api.fast_path import DirectCall
     from engine_server.api.handle import EngineHandle, OutputStream
     from engine_server.api.metrics import ServerMetrics
     from engine_server.api.stream_limit import StreamLimit
-    from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest
+    from engine_server.frontend.outputs import GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +123,15 @@ class EngineServicer(EngineServiceBase):
         self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse]
     ) -> None:
         msg, engine = await self._receive(stream, rpc="Generate")
+        request, outputs, slot = self._admit(msg, engine)
+        self._in_flight.enter()
+        streamed = StreamedGenerate(stream, outputs, request, slot, self._metrics) if msg.stream else None
+        await self._serve_admitted(stream, request, outputs, slot, streamed)
+
+    def _admit(
+        self, msg: generate_pb2.GenerateRequest, engine: EngineHandle
+    ) -> tuple[GenerateRequest, OutputStream, StreamSlot]:
+        """The request converted and in the engine, and its place under the stream limit; else the status."""
         request_id = msg.request_id
         stream_limit = self._stream_limit
         try:
@@ -139,86 +150,88 @@ class EngineServicer(EngineServiceBase):
             slot.release()
             raise to_grpc_error(exc, rpc="Generate", request_id=request_id) from None
         logger.debug("Generate %s: %d prompt tokens, n=%d, stream=%s",
-                     request_id, len(request.prompt_token_ids), request.params.n, msg.stream)
+                     request.request_id, len(request.prompt_token_ids), request.params.n, msg.stream)
+        return request, outputs, slot
+
+    async def _serve_admitted(
+        self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse],
+        request: GenerateRequest, outputs: OutputStream, slot: StreamSlot, streamed: StreamedGenerate | None,
+    ) -> None:
+        """The rest of an admitted call, on its task; leaves `in_flight` (entered at admission)."""
         try:
             # NOTE: aclosing: a cancelled call (client cancel, disconnect, deadline) closes the stream, and
             # closing an unfinished stream aborts the request in the engine.
-            with self._in_flight:
-                async with contextlib.aclosing(outputs):
-                    if msg.stream:
-                        await self._stream_outputs(stream, outputs, request, slot)
-                    else:
-                        await self._send_whole(stream, outputs, request)
+            async with contextlib.aclosing(outputs):
+                if streamed is not None:
+                    await streamed.run()
+                else:
+                    await self._send_whole(stream, outputs, request)
         except Exception as exc:
-            raise to_grpc_error(exc, rpc="Generate", request_id=request_id) from None
+            raise to_grpc_error(exc, rpc="Generate", request_id=request.request_id) from None
         except asyncio.CancelledError:
-            logger.debug("Generate %s: cancelled (client, disconnect or deadline): aborted", request_id)
+            logger.debug("Generate %s: cancelled (client, disconnect or deadline): aborted",
+                         request.request_id)
             raise
         finally:
             slot.release()  # unless the sender did, as the call's end left
+            self._in_flight.leave()
 
-    async def _stream_outputs(
-        self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse],
-        outputs: OutputStream, request: GenerateRequest, slot: StreamSlot,
-    ) -> None:
-        """Streams one message per engine output.
+    def start_generate(
+        self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse], body: bytes,
+        call: DirectCall,
+    ) -> bool:
+        """A streamed Generate served without a task of its own (api/fast_path.py's direct calls).
 
-        NOTE: the response headers go out at once, so that every later message can take the push path:
-        the engine's output task hands each output to `push`, which writes it in place (api/fast_send.py)
-        without waking this task (one task switch per stream per engine step was the largest cost at 256
-        streams). What `push` declines (a full flow-control window, paused writes, an error) comes back
-        through the iterator, in order, and takes grpclib's path here.
+        Admits the request and sends the headers here; the messages and the end then leave from the engine's
+        output task (StreamedGenerate.push), and the call takes a task (`call.continue_in_task`) only if that
+        path cannot go on. False: nothing was done or sent (the server is not serving, the request is not a
+        streamed one, or would be refused): `Generate` then serves the call on a task, errors included.
         """
-        metrics = self._metrics
-        timer = metrics.request_timer() if metrics is not None else None
-        num_completion_tokens = [0] * request.params.n
-        sender = FastSender(stream, before_end=slot.release)
-        plain = responses.PlainResponses(request.request_id)
-        is_sending = False  # this task is writing a message itself: push must not overtake it
-
-        def push(output: GenerateOutput) -> bool:
-            if is_sending or output.error is not None:
-                return False
-            payload = plain.serialize(output, num_completion_tokens)
-            sent = (sender.try_send_serialized(payload) if payload is not None
-                    else sender.try_send(responses.streaming_response(output, num_completion_tokens)))
-            if not sent:
-                return False  # NOTE: rebuilding the message later gives the same bytes and counts
-            if timer is not None:
-                timer.on_output(sum(len(chunk.token_ids) for chunk in output.chunks))
-            if output.finished:
-                # NOTE: the call's end leaves with its last message, not once this handler has been woken to
-                # send it (at 256 streams ending together, that wake-up came ~5 ms later for all of them).
-                sender.try_send_ok_trailers()
-            return True
-
-        def push_plain(chunk: CompletionChunk) -> bool:
-            """Most messages: the chunk alone, no GenerateOutput built (outputs.PlainSink)."""
-            if is_sending:
-                return False
-            if not sender.try_send_serialized(plain.serialize_chunk(chunk, num_completion_tokens)):
-                return False
-            if timer is not None:
-                timer.on_output(len(chunk.token_ids))
-            return True
-
-        await sender.send_initial_metadata()
-        outputs.set_sink(push, push_plain)
+        engine = self._engine
+        if (engine is None or not self._is_ready or self._is_draining or engine.state is EngineState.FAILED):
+            return False
         try:
-            async for output in outputs:
-                if output.error is not None:
-                    raise RequestFailed(output.error)
-                if timer is not None:
-                    timer.on_output(sum(len(chunk.token_ids) for chunk in output.chunks))
-                is_sending = True
-                await sender.send(responses.streaming_response(output, num_completion_tokens))
-                is_sending = False
-        finally:
-            outputs.set_sink(None)
-        sender.try_send_ok_trailers()  # unless push did; else grpclib sends them when this handler returns
-        if timer is not None and metrics is not None:
-            metrics.on_request_done(timer, num_prompt_tokens=len(request.prompt_token_ids),
-                                    num_completion_tokens=sum(num_completion_tokens))
+            msg = generate_pb2.GenerateRequest.FromString(body)
+        except Exception:
+            return False
+        if not msg.stream:
+            return False
+        slot = StreamSlot.try_take(self._stream_limit)
+        if slot is None:
+            return False
+        try:
+            request = convert.to_generate_request(
+                msg, tokenizer=engine.tokenizer, model_info=engine.model_info
+            )
+            outputs = engine.generate(request)
+        except Exception:
+            slot.release()
+            return False
+        count_received(stream)
+        self._in_flight.enter()
+        streamed = StreamedGenerate(stream, outputs, request, slot, self._metrics)
+
+        def end() -> None:  # the last message and the OK trailers have left
+            outputs.close()  # (a finished request: nothing to abort, unless the engine still runs it)
+            slot.release()
+            self._in_flight.leave()
+            call.end()
+
+        def resume() -> None:
+            call.continue_in_task(
+                lambda stream: self._serve_admitted(stream, request, outputs, slot, streamed)
+            )
+
+        def cancel() -> None:  # the client reset the stream, or the connection is gone
+            logger.debug("Generate %s: cancelled (client or disconnect): aborted", request.request_id)
+            streamed.detach()
+            outputs.close()
+            slot.release()
+            self._in_flight.leave()
+
+        call.on_cancel = cancel
+        streamed.start_without_task(on_end=end, on_resume=resume)
+        return True
 
     async def _send_whole(
         self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from engine_server.engine.types import CompletionDelta, FinishReason, TokenLogprob
@@ -61,6 +62,7 @@ class RequestState:
         "num_engine_unfinished",
         "num_prompt_tokens",
         "num_unfinished",
+        "on_ready",
         "plain_sink",
         "request_id",
         "sink",
@@ -83,6 +85,8 @@ class RequestState:
         self.num_engine_unfinished = n  # as the engine core sees it: the record lives until this is 0
         self.has_output = False  # the engine produced something: the request is running, not waiting
         self.waiter: asyncio.Future[None] | None = None  # set while the consumer waits for news
+        # called (once) instead of waking a consumer that is not waiting (RequestStream.set_ready_callback)
+        self.on_ready: Callable[[], None] | None = None
         self.sink: OutputSink | None = None  # offered each output before the consumer is woken
         self.plain_sink: PlainSink | None = None  # offered plain news first (outputs.PlainSink); needs `sink`
         self.declined: deque[GenerateOutput] = deque()  # what the sink declined: the consumer yields it
@@ -250,6 +254,14 @@ class RequestState:
             self.waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+            return
+        on_ready = self.on_ready
+        if on_ready is not None:
+            self.on_ready = None
+            try:
+                on_ready()
+            except Exception:  # NOTE: as a failing sink: must not reach the engine's output task
+                logger.exception("ready callback of request %s failed", self.request_id)
 
     def _offer_plain(self, plain_sink: PlainSink) -> bool:
         """The pending news to `plain_sink` if it is plain (outputs.PlainSink); True: it was delivered."""

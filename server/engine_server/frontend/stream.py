@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,22 @@ class RequestStream:
         state.sink = sink
         state.plain_sink = plain_sink if sink is not None else None
 
+    def set_ready_callback(self, callback: Callable[[], None] | None) -> bool:
+        """Call `callback()` once, instead of waking a consumer, when the stream next has something for one
+        (an output the sink declined, an error, the end) while no `__anext__` waits; None: no more calls.
+
+        For a consumer that does not wait in `__anext__` while the sink takes everything (the servicer's
+        task-less Generate, api/fast_path.py). False: the stream has something for a consumer already (the
+        callback is not kept).
+        """
+        state = self._state
+        if callback is not None and (state.declined or state.has_news or state.error is not None
+                                     or state.is_finished or self._is_closed):
+            state.on_ready = None
+            return False
+        state.on_ready = callback
+        return True
+
     async def __anext__(self) -> GenerateOutput:
         state = self._state
         while True:
@@ -76,10 +93,15 @@ class RequestStream:
                 self._engine.cancel(state)
                 raise
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        """`aclose()` without awaiting (it never waits)."""
         if not self._is_closed:
             self._is_closed = True
+            self._state.on_ready = None
             self._engine.cancel(state=self._state)
+
+    async def aclose(self) -> None:
+        self.close()
 
     async def __aenter__(self) -> RequestStream:
         return self

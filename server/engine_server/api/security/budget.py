@@ -13,6 +13,7 @@ class GuardStats:
     num_refused_streams: int = 0
     num_dropped_streams: int = 0  # opened and reset in one batch: never dispatched
     num_fast_path_calls: int = 0  # calls served by api/fast_path.py
+    num_direct_calls: int = 0  # of those, calls started without a task of their own
 
     def count_goaway(self, reason: str) -> None:
         self.goaways[reason] = self.goaways.get(reason, 0) + 1

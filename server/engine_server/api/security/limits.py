@@ -49,11 +49,16 @@ async def _recv_bounded(stream: Stream[Any, Any], max_size: int) -> Any:
 def decode_received(stream: Stream[Any, Any], body: bytes) -> Any:
     """A received message's body decoded, counted on the call and its connection as grpclib counts it."""
     message = stream._codec.decode(body, stream._recv_type)
+    count_received(stream)
+    return message
+
+
+def count_received(stream: Stream[Any, Any]) -> None:
+    """A message received on the call, counted on it and its connection as grpclib counts it."""
     stream._messages_received += 1
     connection = stream._stream.connection
     connection.messages_received += 1
     connection.last_message_received = time.monotonic()
-    return message
 
 
 async def _recv_first_in_time(stream: Stream[Any, Any], max_size: int, timeout_s: float) -> Any:

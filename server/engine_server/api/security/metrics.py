@@ -39,6 +39,11 @@ class GuardStatsCollector(Collector):
             "calls served by the buffered-call fast path (api/fast_path.py), not grpclib's request handler",
             value=self._stats.num_fast_path_calls,
         )
+        yield CounterMetricFamily(
+            "engine_grpc_direct_calls",
+            "fast-path calls started without a task of their own (their messages pushed from the engine)",
+            value=self._stats.num_direct_calls,
+        )
 
 
 def register_guard_metrics(registry: CollectorRegistry, stats: GuardStats) -> None:
