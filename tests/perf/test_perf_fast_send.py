@@ -104,3 +104,33 @@ async def test_fast_send_matches_the_protocol(listener: Any) -> None:
         channel.close()
         server.close()
         await asyncio.wait_for(server.wait_closed(), TIMEOUT)
+
+
+def test_headers_marked_by_hand_leave_h2s_stream_as_h2_would() -> None:
+    from engine_server.api.fast_send import mark_headers_sent
+    from h2.config import H2Configuration
+    from h2.connection import H2Connection
+    from h2.stream import StreamInputs
+
+    def server_stream() -> Any:
+        client = H2Connection(H2Configuration(client_side=True))
+        client.initiate_connection()
+        client.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":path", "/x"),
+                                (":authority", "a")], end_stream=True)
+        server = H2Connection(H2Configuration(client_side=False))
+        server.initiate_connection()
+        server.receive_data(client.data_to_send())
+        return server.streams[1].state_machine
+
+    def seen(machine: Any) -> tuple[Any, ...]:
+        return (machine.state, machine.headers_sent, machine.trailers_sent, machine.stream_closed_by)
+
+    by_hand, by_h2 = server_stream(), server_stream()
+    for end_stream in (False, True):  # the response headers, then the trailers
+        assert mark_headers_sent(by_hand, end_stream=end_stream)
+        by_h2.process_input(StreamInputs.SEND_HEADERS)
+        if end_stream:
+            by_h2.process_input(StreamInputs.SEND_END_STREAM)
+        assert seen(by_hand) == seen(by_h2)
+    assert not mark_headers_sent(by_hand, end_stream=True)  # closed: h2 would refuse; nothing changes
+    assert seen(by_hand) == seen(by_h2)
