@@ -235,15 +235,17 @@ async def test_only_registered_methods_take_the_fast_path(harness: Harness) -> N
 
 
 
-def _buffered(*frames: bytes, end: bool = True, max_size: int = 100) -> tuple[bytes | None, list[int], Any]:
+def _buffered(*frames: bytes, end: bool = True, max_size: int = 100,
+              lean: bool = False) -> tuple[bytes | None, list[int], Any]:
     from types import SimpleNamespace
 
+    from engine_server.api.call_streams import LeanBuffer
     from engine_server.api.fast_path import _buffered_request
     from grpclib.const import Cardinality
     from grpclib.protocol import Buffer
 
     acked: list[int] = []
-    buffer = Buffer(acked.append)
+    buffer = LeanBuffer(acked.append) if lean else Buffer(acked.append)
     for frame in frames:
         buffer.add(frame, len(frame))
     if end:
@@ -253,10 +255,11 @@ def _buffered(*frames: bytes, end: bool = True, max_size: int = 100) -> tuple[by
     return _buffered_request(stream, method, max_size), acked, buffer
 
 
-def test_the_buffered_request_is_taken_only_when_complete_and_well_formed() -> None:
+@pytest.mark.parametrize("lean", [False, True])
+def test_the_buffered_request_is_taken_only_when_complete_and_well_formed(lean: bool) -> None:
     message = b"\x00\x00\x00\x00\x03abc"
-    assert _buffered(message)[:2] == (b"abc", [8])
-    assert _buffered(message[:4], message[4:])[:2] == (b"abc", [4, 4])  # split over two DATA frames
+    assert _buffered(message, lean=lean)[:2] == (b"abc", [8])
+    assert _buffered(message[:4], message[4:], lean=lean)[:2] == (b"abc", [4, 4])  # over two DATA frames
     for frames, end, max_size in [
         ((message,), False, 100),  # the client has not ended the stream: it may still be sending
         ((message[:6],), True, 100),  # shorter than its prefix says
@@ -265,7 +268,7 @@ def test_the_buffered_request_is_taken_only_when_complete_and_well_formed() -> N
         ((message,), True, 2),  # over the size limit
         ((), True, 100),  # no message at all
     ]:
-        taken, acked, buffer = _buffered(*frames, end=end, max_size=max_size)
+        taken, acked, buffer = _buffered(*frames, end=end, max_size=max_size, lean=lean)
         assert taken is None
         assert acked == []  # left for grpclib's path, which reads (and refuses) it as before
         assert buffer._unacked.qsize() == len(frames) + end

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from grpclib.const import Cardinality, Status
@@ -31,9 +31,11 @@ from grpclib.encoding.proto import ProtoCodec
 from grpclib.events import RecvMessage, RecvRequest
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from grpclib.metadata import Deadline, _Metadata, decode_metadata
+from grpclib.protocol import UnackedData
 from grpclib.server import Handler, Stream, request_handler
 from grpclib.utils import DeadlineWrapper, Wrapper
 
+from engine_server.api.call_streams import LeanBuffer
 from engine_server.api.security.budget import GuardStats
 from engine_server.api.security.limits import MESSAGE_PREFIX, MessageSizeLimit, decode_received
 
@@ -363,9 +365,11 @@ def _buffered_request(stream: Any, method: Any, max_size: int) -> bytes | None:
     if method.cardinality not in (Cardinality.UNARY_UNARY, Cardinality.UNARY_STREAM):
         return None
     buffer = stream.buffer
-    if not buffer._eof or buffer._acked:
+    lean = isinstance(buffer, LeanBuffer) and buffer.items is not None  # (nothing read from it yet)
+    if not buffer._eof or (not lean and buffer._acked):
         return None
-    items = buffer._unacked._queue  # (data, data_size, ack_size); the end marker (b"", 0, 0) last
+    # (data, data_size, ack_size) each; the end marker (b"", 0, 0) last
+    items: Sequence[UnackedData] = buffer.items if lean else buffer._unacked._queue
     if len(items) == 2 and items[0][2] and not items[1][2]:  # one DATA frame (the usual case)
         data: bytes = items[0][0]
     elif items and not items[-1][2] and all(item[2] for item in itertools.islice(items, len(items) - 1)):
@@ -377,9 +381,9 @@ def _buffered_request(stream: Any, method: Any, max_size: int) -> bytes | None:
     is_compressed, length = MESSAGE_PREFIX.unpack_from(data)
     if is_compressed or length > max_size or len(data) != MESSAGE_PREFIX.size + length:
         return None
-    queue, ack = buffer._unacked, buffer._ack_callback
-    while not queue.empty():
-        ack_size = queue.get_nowait()[2]
-        if ack_size:
-            ack(ack_size)  # as grpclib's Buffer.read acknowledges what it reads
+    ack = buffer._ack_callback
+    taken = buffer.take_all() if lean else [buffer._unacked.get_nowait() for _ in range(len(items))]
+    for item in taken:
+        if item.ack_size:
+            ack(item.ack_size)  # as grpclib's Buffer.read acknowledges what it reads
     return data[MESSAGE_PREFIX.size:]

@@ -48,6 +48,7 @@ from h2.events import (
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
 
+from engine_server.api.call_streams import LeanStream
 from engine_server.api.h2_streams import use_lazy_counting
 from engine_server.api.security.budget import GuardStats, TokenBucket
 from engine_server.api.security.config import H2Policy
@@ -88,6 +89,14 @@ class GuardedEventsProcessor(EventsProcessor):
             self._on_release()
 
         return release_and_notify
+
+    def process_request_received(self, event: RequestReceived) -> None:
+        # NOTE: as grpclib's, with a LeanStream (api/call_streams.py)
+        connection = self.connection
+        stream = LeanStream(connection, connection._connection, connection._transport,
+                            stream_id=event.stream_id)
+        release_stream = self.register(stream)
+        self.handler.accept(stream, event.headers, release_stream)  # type: ignore[arg-type]
 
     def process_stream_reset(self, event: StreamReset) -> None:
         stream = self.streams.get(event.stream_id)
