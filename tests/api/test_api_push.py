@@ -14,7 +14,7 @@ from engine_server.api.handle import EngineHandle
 from engine_server.api.server import EngineServer
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.types import FinishReason
-from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest
+from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest, PlainSink
 from fakes import FakeEngine
 
 NUM_TOKENS = 3
@@ -35,16 +35,17 @@ class PushingStream:
         return self
 
     def set_sink(self, sink: Callable[[GenerateOutput], bool] | None,
-                 plain_sink: Callable[[CompletionChunk], bool] | None = None) -> None:
+                 plain_sink: PlainSink | None = None) -> None:
         if sink is not None:
             asyncio.get_running_loop().call_soon(self._push_all, sink, plain_sink)
 
     def _push_all(self, sink: Callable[[GenerateOutput], bool],
-                  plain_sink: Callable[[CompletionChunk], bool] | None) -> None:
+                  plain_sink: PlainSink | None) -> None:
         for step in range(1, NUM_TOKENS + 1):
             finish = FinishReason.LENGTH if step == NUM_TOKENS else None
             chunk = CompletionChunk(0, [10 + step], "", None, finish, None, step)
-            if finish is None and plain_sink is not None and plain_sink(chunk):  # as RequestState offers it
+            # (as RequestState offers it)
+            if finish is None and plain_sink is not None and plain_sink([10 + step], "", step):
                 self.num_plain += 1
                 self.delivered.append(True)
                 continue

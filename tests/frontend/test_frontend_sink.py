@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable
 
 import pytest
 from engine_server.engine.types import SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
-from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest
+from engine_server.frontend.outputs import GenerateOutput, GenerateRequest, PlainSink
 from engine_server.frontend.tokenizer import Tokenizer
 
 TIMEOUT = 10.0
@@ -24,7 +25,7 @@ def _ids(outputs: list[GenerateOutput]) -> list[int]:
 
 
 async def _yielded(engine: AsyncEngine, request: GenerateRequest, sink: Callable[[GenerateOutput], bool],
-                   plain_sink: Callable[[CompletionChunk], bool] | None = None) -> list[GenerateOutput]:
+                   plain_sink: PlainSink | None = None) -> list[GenerateOutput]:
     """Runs `request` with the sinks set; what its iterator yielded (what the sinks did not take)."""
     stream = engine.generate(request)
     stream.set_sink(sink, plain_sink)
@@ -94,7 +95,7 @@ async def test_a_failing_sink_falls_back_to_the_iterator(
         assert _ids([o async for o in fake_engine.generate(again)]) == list(again.prompt_token_ids)
 
 
-async def test_plain_news_goes_to_the_plain_sink_as_the_chunk_alone(
+async def test_plain_news_goes_to_the_plain_sink_as_ids_and_text_alone(
     fake_engine: AsyncEngine, tokenizer: Tokenizer
 ) -> None:
     request = _request(tokenizer, "plain-all", "one two three four five six seven eight nine ten")
@@ -102,21 +103,24 @@ async def test_plain_news_goes_to_the_plain_sink_as_the_chunk_alone(
     num_plain = 0
     finished: list[GenerateOutput] = []
     declined_plain = 0
+    texts: list[str] = []  # of every delivery, in order
+    counts: list[int] = []  # num_completion_tokens after each delivery
 
-    def plain(chunk: CompletionChunk) -> bool:
+    def plain(token_ids: list[int], text: str, num_completion_tokens: int) -> bool:
         nonlocal num_plain, declined_plain
-        assert chunk.index == 0
-        assert chunk.finish_reason is None
-        assert chunk.logprobs is None
         if (num_plain + declined_plain) % 3 == 2:  # some declined: that news must reach `take` instead
             declined_plain += 1
             return False
         num_plain += 1
-        delivered.append(list(chunk.token_ids))
+        delivered.append(list(token_ids))
+        texts.append(text)
+        counts.append(num_completion_tokens)
         return True
 
     def take(output: GenerateOutput) -> bool:
         delivered.append(_ids([output]))
+        texts.append("".join(chunk.text for chunk in output.chunks))
+        counts.append(output.chunks[-1].num_completion_tokens)
         if output.finished:
             finished.append(output)
         return True
@@ -127,6 +131,8 @@ async def test_plain_news_goes_to_the_plain_sink_as_the_chunk_alone(
     assert [token_id for ids in delivered for token_id in ids] == list(request.prompt_token_ids)
     assert len(finished) == 1  # the end is never plain: it reaches the full sink
     assert finished[0].chunks[-1].num_completion_tokens == len(request.prompt_token_ids)
+    assert "".join(texts) == tokenizer.decode(list(request.prompt_token_ids))
+    assert counts == [len(ids) for ids in itertools.accumulate(delivered)]  # running totals
 
 
 async def test_a_failing_plain_sink_falls_back_to_the_iterator(
@@ -135,7 +141,7 @@ async def test_a_failing_plain_sink_falls_back_to_the_iterator(
     request = _request(tokenizer, "plain-broken", "the plain sink raises but the stream survives")
     offered: list[GenerateOutput] = []
 
-    def broken(chunk: CompletionChunk) -> bool:
+    def broken(token_ids: list[int], text: str, num_completion_tokens: int) -> bool:
         raise RuntimeError("plain sink bug")
 
     def take(output: GenerateOutput) -> bool:

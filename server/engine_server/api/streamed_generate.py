@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from engine_server.api.handle import OutputStream
     from engine_server.api.metrics import RequestTimer, ServerMetrics
-    from engine_server.frontend.outputs import CompletionChunk, GenerateOutput, GenerateRequest
+    from engine_server.frontend.outputs import GenerateOutput, GenerateRequest
 
 
 class StreamedGenerate:
@@ -101,16 +101,16 @@ class StreamedGenerate:
             on_end()
         return True
 
-    def push_plain(self, chunk: CompletionChunk) -> bool:
-        """Most messages: the chunk alone, no GenerateOutput built (outputs.PlainSink)."""
+    def push_plain(self, token_ids: list[int], text: str, num_completion_tokens: int) -> bool:
+        """Most messages: plain news, no chunk or GenerateOutput built (outputs.PlainSink)."""
         if self._is_sending:
             return False
-        payload = self._plain.serialize_chunk(chunk, self._num_completion_tokens)
-        if not self._sender.try_send_serialized(payload):
+        if not self._sender.try_send_serialized(self._plain.serialize_plain(token_ids, text)):
             return False
+        self._num_completion_tokens[0] = num_completion_tokens
         timer = self._timer
         if timer is not None:
-            timer.on_output(len(chunk.token_ids))
+            timer.on_output(len(token_ids))
         return True
 
     # --- the call's task ------------------------------------------------------------------------------

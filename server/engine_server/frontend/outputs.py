@@ -73,6 +73,7 @@ OutputSink = Callable[[GenerateOutput], bool]
 
 # Offered before OutputSink when the news is the commonest kind: new tokens (and their text) of completion 0
 # of a request still running, nothing else (no finish, logprobs, prompt logprobs or other completion). It
-# gets the chunk itself, so no GenerateOutput is built for most messages of a stream. True: delivered;
-# False: the same news goes to the OutputSink as an output (nothing may have been sent).
-PlainSink = Callable[[CompletionChunk], bool]
+# gets (token_ids, text, num_completion_tokens so far), so no chunk or GenerateOutput is built for most
+# messages of a stream. True: delivered; False: the same news goes to the OutputSink as an output (nothing
+# may have been sent). The token id list may be kept only until the call returns.
+PlainSink = Callable[[list[int], str, int], bool]

@@ -51,6 +51,8 @@ class RequestState:
         "_completions",
         "_error_text",
         "_pending",
+        "_plain_ids",
+        "_plain_text",
         "_prompt_logprobs",
         "_request",
         "abort_sent",
@@ -77,6 +79,11 @@ class RequestState:
         n = request.params.n
         self._completions = [_Completion(request, backend, byte_tables) for _ in range(n)]
         self._pending: dict[int, CompletionChunk] = {}
+        # Plain news (new tokens and text of completion 0, nothing else pending) gathers here, not in a
+        # CompletionChunk: most news is plain and goes to the plain sink as it is (outputs.PlainSink).
+        # Whatever else arrives, and `take`, make it a pending chunk first (`_pending_plain`): order holds.
+        self._plain_ids: list[int] | None = None  # None: no plain news (then `_plain_text` is "")
+        self._plain_text = ""
         self.has_news = False  # pending output for the consumer (or the sinks); set here only
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_cached_prompt_tokens = 0
@@ -108,7 +115,17 @@ class RequestState:
         detokenizer = completion.detokenizer
         text = detokenizer.add_many(token_ids) if detokenizer is not None else ""
         completion.num_tokens += len(token_ids)
-        self._add_chunk(0, token_ids, text, None, None, None)
+        if self._pending:  # other news waits: merge with it, in order
+            self._add_chunk(0, token_ids, text, None, None, None)
+            return False
+        self.has_news = True
+        plain_ids = self._plain_ids
+        if plain_ids is None:
+            self._plain_ids = token_ids  # (the list is ours: it came off the core's pipe)
+            self._plain_text = text
+        else:
+            plain_ids.extend(token_ids)
+            self._plain_text += text
         return False
 
     def process(self, delta: CompletionDelta) -> bool:
@@ -192,6 +209,8 @@ class RequestState:
         finish: FinishReason | None,
         stop_reason: str | int | None,
     ) -> None:
+        if self._plain_ids is not None:
+            self._pending_plain()
         self.has_news = True
         num_tokens = self._completions[index].num_tokens
         chunk = self._pending.get(index)
@@ -210,6 +229,16 @@ class RequestState:
         chunk.finish_reason = finish
         chunk.stop_reason = stop_reason
         chunk.num_completion_tokens = num_tokens
+
+    def _pending_plain(self) -> None:
+        """The plain news, as the pending chunk of completion 0 (nothing else is pending while it gathers)."""
+        token_ids, text = self._plain_ids, self._plain_text
+        assert token_ids is not None
+        assert not self._pending
+        self._plain_ids, self._plain_text = None, ""
+        self._pending[0] = CompletionChunk(
+            0, token_ids, text, None, None, None, self._completions[0].num_tokens
+        )
 
     def finish_locally(self, reason: FinishReason, *, notify: bool) -> None:
         """End every unfinished completion now (abort, shutdown); `notify` queues a final chunk for each."""
@@ -264,18 +293,25 @@ class RequestState:
                 logger.exception("ready callback of request %s failed", self.request_id)
 
     def _offer_plain(self, plain_sink: PlainSink) -> bool:
-        """The pending news to `plain_sink` if it is plain (outputs.PlainSink); True: it was delivered."""
-        pending = self._pending
-        chunk = pending.get(0)
-        if (chunk is None or len(pending) != 1 or chunk.finish_reason is not None or chunk.logprobs
-                or self._prompt_logprobs is not None or self.num_unfinished == 0):
+        """The news to `plain_sink` if it is plain (outputs.PlainSink); True: it was delivered."""
+        if self._prompt_logprobs is not None or self.num_unfinished == 0:
             return False
+        token_ids = self._plain_ids
+        pending = self._pending
+        if token_ids is not None:  # (then nothing is pending)
+            text, num_tokens = self._plain_text, self._completions[0].num_tokens
+        else:  # a pending chunk can be plain news too (e.g. a request's first tokens, which come as a delta)
+            chunk = pending.get(0)
+            if chunk is None or len(pending) != 1 or chunk.finish_reason is not None or chunk.logprobs:
+                return False
+            token_ids, text, num_tokens = chunk.token_ids, chunk.text, chunk.num_completion_tokens
         try:
-            delivered = plain_sink(chunk)
+            delivered = plain_sink(token_ids, text, num_tokens)
         except Exception:  # NOTE: as a failing sink: logged, and the consumer takes over
             self._drop_sinks()
             return False
         if delivered:
+            self._plain_ids, self._plain_text = None, ""
             pending.clear()
             self.has_news = False
         return delivered
@@ -291,6 +327,8 @@ class RequestState:
         return self.num_unfinished == 0
 
     def take(self) -> GenerateOutput:
+        if self._plain_ids is not None:
+            self._pending_plain()
         pending = self._pending
         chunks = list(pending.values())
         if len(chunks) > 1:
