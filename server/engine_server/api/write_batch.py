@@ -9,6 +9,7 @@ Latency is unchanged: the batch goes out at the end of the tick that produced it
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 
@@ -65,6 +66,12 @@ class BatchingTransport(asyncio.Transport):
 
     def is_closing(self) -> bool:
         return self._inner.is_closing()
+
+    @property
+    def inner_is_closing(self) -> Callable[[], bool]:
+        """The wrapped transport's `is_closing` (the same answer, one call less: for per-message checks)."""
+        is_closing: Callable[[], bool] = self._inner.is_closing
+        return is_closing
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self._inner.get_extra_info(name, default)
