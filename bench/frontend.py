@@ -67,6 +67,7 @@ class Server:
 
     def __init__(self, kind: str, engine: str, args: argparse.Namespace, workdir: Path) -> None:
         self.kind = kind
+        self.num_sent = 0  # requests sent to it so far: the next run numbers its requests on from here
         py = sys.executable
         step_ms = report.sim_step_ms(engine, args.step_ms)
         sim = ["--simulated-engine", str(step_ms)] if step_ms is not None else []
@@ -115,10 +116,13 @@ class Server:
         raise TimeoutError(f"{self.kind} server not ready in {READY_TIMEOUT_S} s")
 
     def run_load(self, concurrency: int, num_requests: int, args: argparse.Namespace) -> dict[str, Any]:
+        # NOTE: every request this server gets has a prompt of its own (workload.prompt_ids): a round must not
+        # find an earlier round's prompts in the prefix cache
+        first, self.num_sent = self.num_sent, self.num_sent + num_requests
         if self.kind == "inproc":
             assert self.process.stdin is not None
             assert self.process.stdout is not None
-            self.process.stdin.write(f"{concurrency} {num_requests}\n".encode())
+            self.process.stdin.write(f"{concurrency} {num_requests} {first}\n".encode())
             self.process.stdin.flush()
             line = self.process.stdout.readline()
             if not line:
@@ -129,7 +133,7 @@ class Server:
         cmd = [sys.executable, "-m", "frontend_lib.loadgen", protocol, "--port", str(self.port),
                "--concurrency", str(concurrency), "--num-requests", str(num_requests),
                "--prompt", str(args.prompt), "--output", str(args.output),
-               "--tag", f"c{concurrency}-{time.time_ns()}"]
+               "--tag", f"c{concurrency}-{time.time_ns()}", "--first-request", str(first)]
         if self.kind == "grpc-ids":
             cmd.append("--ids-only")
         done = subprocess.run(cmd, env=_env(), cwd=ROOT, preexec_fn=_pinned({args.client_core}),

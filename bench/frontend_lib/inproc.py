@@ -49,11 +49,12 @@ async def main_async(args: argparse.Namespace) -> None:
         line = await loop.run_in_executor(None, sys.stdin.readline)
         if not line.strip():
             break
-        concurrency, num_requests = (int(x) for x in line.split())
+        concurrency, num_requests, first = (int(x) for x in line.split())
         run += 1
         send = engine_sender(engine, prompt=args.prompt, output=args.output, tag=f"run{run}")
         cpu0 = cpu_seconds_self()
-        traces, wall_s = await closed_loop(send, concurrency=concurrency, num_requests=num_requests)
+        traces, wall_s = await closed_loop(send, concurrency=concurrency, num_requests=num_requests,
+                                           first=first)
         summary = summarize(traces, wall_s=wall_s, client_cpu_s=cpu_seconds_self() - cpu0)
         print(json.dumps(summary.to_json()), flush=True)
     await engine.shutdown(timeout=5.0)

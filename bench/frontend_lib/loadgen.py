@@ -149,7 +149,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         send = sse_sender(args.host, args.port, prompt=args.prompt, output=args.output)
     try:
         cpu0 = cpu_seconds_self()
-        traces, wall_s = await closed_loop(send, concurrency=args.concurrency, num_requests=args.num_requests)
+        traces, wall_s = await closed_loop(send, concurrency=args.concurrency, num_requests=args.num_requests,
+                                           first=args.first_request)
         cpu_s = cpu_seconds_self() - cpu0
     finally:
         if channel is not None:
@@ -176,6 +177,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=100)
     p.add_argument("--output", type=int, default=100)
     p.add_argument("--tag", default="bench")
+    p.add_argument("--first-request", type=int, default=0,
+                   help="number of the first request (its prompt: workload.prompt_ids); later runs go on")
     p.add_argument("--grpc-client", choices=("h2", "grpclib"), default="h2")
     p.add_argument("--ids-only", action="store_true", help="gRPC: ask for token ids only (return_text=false)")
     p.add_argument("--trace-out", default=None, help="write each request's send time and TTFT here")

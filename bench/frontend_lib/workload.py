@@ -1,7 +1,8 @@
 """The benchmark's workload and its statistics, shared by the load generator and the in-process runner.
 
 A closed loop: `concurrency` workers each send a request, read its stream to the end, and send the next,
-until `num_requests` are done. Every request: a distinct 100-token prompt (no prefix-cache hits), greedy,
+until `num_requests` are done. Every request: a distinct 100-token prompt (no prefix-cache hits, also across
+the runs of one server: requests are numbered on from the previous run's, see `prompt_ids`), greedy,
 ignore_eos, exactly `output` generated tokens. Each worker records when each message arrived and how many
 tokens it held.
 """
@@ -19,8 +20,11 @@ from typing import Any
 
 
 def prompt_ids(i: int, length: int) -> list[int]:
-    # Ordinary token ids of the tiny vocabulary (1024 ids, specials below 16), different for every request.
-    return [16 + (i * 7919 + k * 131) % 1000 for k in range(length)]
+    """Ordinary token ids of the tiny vocabulary (1024 ids, specials below 16), different for every request
+    number `i` below 10**9: its first three ids spell `i` in base 1000, so no two requests share a first KV
+    block (no prefix-cache hits). (The rest alone repeats every 1000 requests.)"""
+    head = [16 + (i // 1_000_000) % 1000, 16 + (i // 1000) % 1000, 16 + i % 1000]
+    return (head + [16 + (i * 7919 + k * 131) % 1000 for k in range(3, length)])[:length]
 
 
 @dataclass(slots=True)
@@ -36,11 +40,12 @@ SendFn = Callable[[int, RequestTrace], Awaitable[None]]
 
 
 async def closed_loop(
-    send: SendFn, *, concurrency: int, num_requests: int
+    send: SendFn, *, concurrency: int, num_requests: int, first: int = 0
 ) -> tuple[list[RequestTrace], float]:
-    """Runs the workload; returns the traces and the wall time (first send to last message)."""
+    """Runs the workload (requests numbered from `first`); returns the traces and the wall time (first send to
+    last message)."""
     traces: list[RequestTrace] = []
-    counter = iter(range(num_requests))
+    counter = iter(range(first, first + num_requests))
 
     async def worker() -> None:
         for i in counter:
