@@ -23,7 +23,7 @@ from engine_server.frontend.async_engine import AsyncEngine
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
-from h2.events import DataReceived, ResponseReceived, StreamEnded, TrailersReceived
+from h2.events import DataReceived, ResponseReceived, StreamEnded, StreamReset, TrailersReceived
 from h2.settings import SettingCodes
 
 GENERATE = "/engine.v1.EngineService/Generate"
@@ -100,6 +100,7 @@ class RawClient:
         self.trailers: dict[int, dict[str, str]] = {}
         self._partial: dict[int, bytes] = {}
         self.ended: set[int] = set()
+        self.resets: set[int] = set()
 
     @classmethod
     async def connect(cls, port: int, *, window: int | None = None) -> RawClient:
@@ -139,6 +140,8 @@ class RawClient:
                     (str(name), str(value)) for name, value in event.headers)
             elif isinstance(event, StreamEnded):
                 self.ended.add(event.stream_id)
+            elif isinstance(event, StreamReset):
+                self.resets.add(event.stream_id)
         self._flush()
 
     async def until(self, condition: Any, *, ack: bool = True) -> None:
@@ -198,12 +201,32 @@ async def test_the_same_tokens_as_on_a_task(served: Served) -> None:
         async with asyncio.timeout(CALL_TIMEOUT_S):
             request = greedy_request([20, 21, 22], max_tokens=9, ignore_eos=True)
             direct, _ = await client.call(request)
-            # a deadline takes the call off the direct path (to its task)
             with_deadline = client.start(request, metadata=(("grpc-timeout", "30S"),))
             await client.until(lambda: with_deadline in client.ended)
+            # a unary Generate is served on a task
+            whole, status = await client.call(greedy_request([20, 21, 22], max_tokens=9, ignore_eos=True,
+                                                              stream=False))
+            assert served.num_direct == 2
+            assert (status, client.trailers[with_deadline]["grpc-status"]) == ("0", "0")
+            assert _tokens(direct) == _tokens(client.messages[with_deadline]) == _tokens(whole)
+            assert len(_tokens(direct)) == 9
+    finally:
+        client.close()
+
+
+async def test_a_direct_call_past_its_deadline_ends_with_deadline_exceeded(served: Served) -> None:
+    client = await RawClient.connect(served.server.port)
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            stream_id = client.start(greedy_request([20], max_tokens=2000, ignore_eos=True),
+                                     metadata=(("grpc-timeout", "300m"),))
+            await client.until(lambda: stream_id in client.ended or stream_id in client.resets)
+            assert client.trailers[stream_id]["grpc-status"] == str(4)  # DEADLINE_EXCEEDED
+            assert 10 < len(_tokens(client.messages[stream_id])) < 2000  # it ran until the deadline
             assert served.num_direct == 1
-            assert _tokens(direct) == _tokens(client.messages[with_deadline])
-            assert client.trailers[with_deadline]["grpc-status"] == "0"
+            await served.wait_all_released()
+            assert served.count("DEADLINE_EXCEEDED") == 1
+            assert served.count("OK") == served.count("UNKNOWN") == 0
     finally:
         client.close()
 
@@ -307,3 +330,18 @@ async def test_the_api_key_is_checked_before_a_direct_call(tiny_model_dir: Path)
     finally:
         client.close()
         await served.server.close()
+
+
+async def test_a_direct_call_that_took_its_task_keeps_its_deadline(served: Served) -> None:
+    client = await RawClient.connect(served.server.port, window=40)  # pushes are declined: the call's task
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            stream_id = client.start(greedy_request([20], max_tokens=2000, ignore_eos=True),
+                                     metadata=(("grpc-timeout", "400m"),))
+            await client.until(lambda: stream_id in client.ended or stream_id in client.resets)
+            assert client.trailers[stream_id]["grpc-status"] == str(4)  # DEADLINE_EXCEEDED
+            assert served.num_direct == 1
+            await served.wait_all_released()
+            assert served.count("DEADLINE_EXCEEDED") == 1
+    finally:
+        client.close()

@@ -87,9 +87,9 @@ class FastPathHandler(Handler):
         stream = direct.stream
         taken = self._take_request(stream, direct.headers, headers_map)
         admitted, metadata = self._admitted(direct.headers, headers_map[":path"])
-        if taken is not None and taken[2] is None and admitted:
-            method, body, _ = taken
-            call = direct.call = self._new_call(stream, headers_map, method, None)
+        if taken is not None and admitted:
+            method, body, deadline = taken
+            call = direct.call = self._new_call(stream, headers_map, method, deadline)
             call.metadata = metadata
             try:
                 started = start(call, body, direct)
@@ -101,6 +101,8 @@ class FastPathHandler(Handler):
                 if self._stats is not None:
                     self._stats.num_fast_path_calls += 1
                     self._stats.num_direct_calls += 1
+                if deadline is not None and stream in self._direct:  # (the call may be over already)
+                    direct.timer = self.loop.call_later(deadline.time_remaining(), self._expire, direct)
                 return
         del self._direct[stream]
         self._tasks[stream] = self.loop.create_task(
@@ -133,11 +135,25 @@ class FastPathHandler(Handler):
         return super().check_closed() and not self._direct
 
     def _continue(self, direct: DirectCall, func: Callable[[Stream[Any, Any]], Awaitable[None]]) -> None:
-        """A direct call's task, from where it stopped."""
+        """A direct call's task, from where it stopped (the call's deadline, if any, is its task's now)."""
         stream = direct.stream
         if self._direct.pop(stream, None) is None:
             return  # cancelled already
+        direct.stop_timer()
         self._tasks[stream] = self.loop.create_task(self._resume(direct, func))
+
+    def _expire(self, direct: DirectCall) -> None:
+        """A direct call's deadline passed: its request is aborted and it ends with DEADLINE_EXCEEDED, as a
+        call on a task does (trailers, then RST_STREAM; counted so by the metrics)."""
+        direct.timer = None
+        if self._direct.get(direct.stream) is not direct:
+            return
+        on_cancel, direct.on_cancel = direct.on_cancel, None
+        if on_cancel is not None:
+            on_cancel()
+        if direct.call is not None:
+            direct.call.deadline = None  # NOTE: passed: the task's status comes from _deadline_exceeded
+        self._continue(direct, _deadline_exceeded)
 
     async def _resume(self, direct: DirectCall, func: Callable[[Stream[Any, Any]], Awaitable[None]]) -> None:
         call = direct.call
@@ -153,6 +169,7 @@ class FastPathHandler(Handler):
 
     def _ended(self, direct: DirectCall, status: Status) -> None:
         self._direct.pop(direct.stream, None)
+        direct.stop_timer()
         path = direct.call._method_name if direct.call is not None else ""
         for listener in self._wrappers:
             listener.direct_call_ended(path, status)
@@ -276,7 +293,7 @@ class DirectCall:
     resets the stream or the connection goes first: then `on_cancel()` is called and the call is over.
     """
 
-    __slots__ = ("_handler", "call", "headers", "on_cancel", "pending", "release_stream", "stream")
+    __slots__ = ("_handler", "call", "headers", "on_cancel", "pending", "release_stream", "stream", "timer")
 
     def __init__(self, handler: FastPathHandler, stream: Any, headers: list[tuple[str, str]],
                  release_stream: Callable[[], Any]) -> None:
@@ -286,6 +303,7 @@ class DirectCall:
         self.release_stream = release_stream
         self.call: Stream[Any, Any] | None = None
         self.pending: asyncio.Handle | None = None  # the first step, not run yet
+        self.timer: asyncio.TimerHandle | None = None  # the call's deadline, while it has no task
         self.on_cancel: Callable[[], None] | None = None
 
     def end(self) -> None:
@@ -306,6 +324,11 @@ class DirectCall:
             on_cancel()
         self._handler._ended(self, Status.CANCELLED)
 
+    def stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
     def fail(self) -> None:
         """The start failed unexpectedly: the stream is reset and released."""
         self._handler._direct.pop(self.stream, None)
@@ -318,6 +341,10 @@ class DirectCall:
 # A method's task-less server: (call, request bytes, DirectCall) -> False if it did nothing (a task serves
 # the call then, as any fast-path call).
 DirectStart = Callable[[Stream[Any, Any], bytes, DirectCall], bool]
+
+
+async def _deadline_exceeded(call: Stream[Any, Any]) -> None:
+    raise GRPCError(Status.DEADLINE_EXCEEDED)
 
 
 class _Once:
