@@ -15,6 +15,13 @@ the same wrappers, the same release; the API-key check and the call metrics appl
 that is not complete, well-formed and within the size limit, a malformed grpc-timeout, a non-proto content
 type) goes to grpclib's request_handler unchanged, which then produces exactly the behaviour and errors it
 always did.
+
+Direct calls: for a method registered with a `DirectStart` (engine.v1's streamed Generate), the call's first
+step is a loop callback instead of a task, and the method may serve the call from there on without any task
+(its messages and end written from the engine's output task): no task, coroutine frames, stream context or
+end-of-call wake-up per call. `DirectCall` is the handler's side of such a call: it is ended by the method,
+handed a task when the method needs one (then served by `_serve`, as any fast-path call), cancelled on
+RST_STREAM or a lost connection, or ended with DEADLINE_EXCEEDED by a timer at its deadline.
 """
 
 from __future__ import annotations

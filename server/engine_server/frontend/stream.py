@@ -40,7 +40,7 @@ class RequestStream:
         """Offer each output to `sink(output) -> bool` on the engine's output task before waking the consumer.
 
         What it declines (False) is yielded here, in order; None: back to yielding everything. `plain_sink`
-        (only with a sink) is offered plain news first, as the chunk alone (outputs.PlainSink).
+        (only with a sink) is offered plain news first, as token ids and text alone (outputs.PlainSink).
         """
         state = self._state
         state.sink = sink
