@@ -94,8 +94,32 @@ impl From<tonic::Status> for Error {
                 causes(&status)
             )));
         }
+        // NOTE: the same race when h2 itself refused to open the stream: the connection had already received a
+        // GOAWAY with NO_ERROR from the server (a drain) when the call went out; tonic reports that as INTERNAL
+        // with h2's error behind it. The server never saw the call either: UNAVAILABLE, safe to retry.
+        if refused_after_goaway(&status) {
+            return Error::Status(tonic::Status::unavailable(format!(
+                "{}{}",
+                status.message(),
+                causes(&status)
+            )));
+        }
         Error::Status(status)
     }
+}
+
+/// Whether `status` stands for a stream h2 did not open because the server's GOAWAY (NO_ERROR) had arrived.
+fn refused_after_goaway(status: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(err) = source {
+        if let Some(h2_err) = err.downcast_ref::<h2::Error>() {
+            return h2_err.is_go_away()
+                && h2_err.is_remote()
+                && h2_err.reason() == Some(h2::Reason::NO_ERROR);
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// The result type of this crate.
@@ -124,5 +148,16 @@ mod tests {
         assert!(err.to_string().contains("invalid URI"), "the cause is kept in the message: {err}");
         // A CANCELLED the server sent has no transport error behind it and stays what it is.
         assert_eq!(Error::from(tonic::Status::cancelled("by peer")).code(), Code::Cancelled);
+    }
+
+    #[test]
+    fn only_a_goaway_refusal_turns_an_h2_error_into_unavailable() {
+        // (h2 makes its GOAWAY errors itself: tests/integration's drain case meets one.) Any other h2 error,
+        // a reset or a protocol error, stays what tonic made of it.
+        for reason in [h2::Reason::NO_ERROR, h2::Reason::PROTOCOL_ERROR, h2::Reason::CANCEL] {
+            let mut status = tonic::Status::internal("h2 protocol error");
+            status.set_source(std::sync::Arc::new(h2::Error::from(reason)));
+            assert_eq!(Error::from(status).code(), Code::Internal, "{reason:?}");
+        }
     }
 }
