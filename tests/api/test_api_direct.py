@@ -25,8 +25,10 @@ from h2.connection import H2Connection
 from h2.errors import ErrorCodes
 from h2.events import DataReceived, ResponseReceived, StreamEnded, StreamReset, TrailersReceived
 from h2.settings import SettingCodes
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 
 GENERATE = "/engine.v1.EngineService/Generate"
+VLLM_GENERATE = "/vllm.grpc.engine.VllmEngine/Generate"
 API_KEY = "direct-call-test-key-0123456789"
 STEP_MS = 2.0
 
@@ -96,7 +98,8 @@ class RawClient:
         self.h2.initiate_connection()
         if window is not None:
             self.h2.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: window})
-        self.messages: dict[int, list[generate_pb2.GenerateResponse]] = {}
+        self.messages: dict[int, list[Any]] = {}
+        self._response_types: dict[int, Any] = {}
         self.trailers: dict[int, dict[str, str]] = {}
         self._partial: dict[int, bytes] = {}
         self.ended: set[int] = set()
@@ -107,12 +110,13 @@ class RawClient:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         return cls(reader, writer, window)
 
-    def start(self, request: generate_pb2.GenerateRequest, *,
-              metadata: tuple[tuple[str, str], ...] = ()) -> int:
+    def start(self, request: Any, *, metadata: tuple[tuple[str, str], ...] = (), path: str = GENERATE,
+              response_type: Any = generate_pb2.GenerateResponse) -> int:
         stream_id = self.h2.get_next_available_stream_id()
         self.h2.send_headers(stream_id, [
-            (":method", "POST"), (":scheme", "http"), (":path", GENERATE), (":authority", "test"),
+            (":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "test"),
             ("content-type", "application/grpc"), ("te", "trailers"), *metadata])
+        self._response_types[stream_id] = response_type
         body = request.SerializeToString()
         self.h2.send_data(stream_id, struct.pack(">BI", 0, len(body)) + body, end_stream=True)
         self.messages[stream_id] = []
@@ -161,7 +165,7 @@ class RawClient:
             (size,) = struct.unpack(">I", buffered[1:5])
             if len(buffered) < 5 + size:
                 break
-            self.messages[stream_id].append(generate_pb2.GenerateResponse.FromString(buffered[5:5 + size]))
+            self.messages[stream_id].append(self._response_types[stream_id].FromString(buffered[5:5 + size]))
             buffered = buffered[5 + size:]
         self._partial[stream_id] = buffered
 
@@ -343,5 +347,61 @@ async def test_a_direct_call_that_took_its_task_keeps_its_deadline(served: Serve
             assert served.num_direct == 1
             await served.wait_all_released()
             assert served.count("DEADLINE_EXCEEDED") == 1
+    finally:
+        client.close()
+
+
+def _vllm_request(prompt: list[int], max_tokens: int, request_id: str = "") -> Any:
+    return vllm_pb.GenerateRequest(
+        request_id=request_id, tokenized=vllm_pb.TokenizedInput(input_ids=prompt), stream=True,
+        sampling_params=vllm_pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+
+
+def _vllm_tokens(messages: list[Any]) -> list[int]:
+    return [t for m in messages if m.WhichOneof("response") == "chunk" for t in m.chunk.token_ids]
+
+
+async def test_the_vllm_protocols_streamed_generate_is_a_direct_call_too(served: Served) -> None:
+    client = await RawClient.connect(served.server.port)
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            stream_id = client.start(_vllm_request([20, 21, 22], 12), path=VLLM_GENERATE,
+                                     response_type=vllm_pb.GenerateResponse)
+            await client.until(lambda: stream_id in client.ended)
+            messages = client.messages[stream_id]
+            assert client.trailers[stream_id]["grpc-status"] == "0"
+            assert [m.WhichOneof("response") for m in messages][-1] == "complete"
+            assert len(_vllm_tokens(messages)) == 12
+            assert list(messages[-1].complete.output_ids) == _vllm_tokens(messages)
+            assert messages[-1].complete.finish_reason == "length"
+            assert served.num_direct == 1
+            handler = next(iter(served.server._server._handlers))
+            assert not handler._tasks  # no task was ever made for it
+            await served.wait_all_released()
+            # the same tokens as engine.v1's Generate (same engine, same prompt, greedy)
+            v1, _ = await client.call(greedy_request([20, 21, 22], max_tokens=12, ignore_eos=True))
+            assert _tokens(v1) == _vllm_tokens(messages)
+    finally:
+        client.close()
+
+
+async def test_a_slow_vllm_client_gets_every_token_and_a_reset_aborts(served: Served) -> None:
+    client = await RawClient.connect(served.server.port, window=60)  # pushes are declined: the call's task
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            slow = client.start(_vllm_request([20, 21], 40), path=VLLM_GENERATE,
+                                response_type=vllm_pb.GenerateResponse)
+            endless = client.start(_vllm_request([30], 2000), path=VLLM_GENERATE,
+                                   response_type=vllm_pb.GenerateResponse)
+            await client.read(ack=False)
+            await asyncio.sleep(20 * STEP_MS / 1000)
+            await client.until(lambda: slow in client.ended and len(client.messages[endless]) >= 2)
+            assert client.trailers[slow]["grpc-status"] == "0"
+            assert len(_vllm_tokens(client.messages[slow])) == 40
+            client.reset(endless)
+            await served.wait_all_released()
+            assert served.num_direct == 2
+            assert served.count("OK") == served.count("CANCELLED") == 1
     finally:
         client.close()

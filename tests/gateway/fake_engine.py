@@ -68,6 +68,13 @@ class FakeOutputs:
     def set_sink(self, sink: OutputSink | None) -> None:
         self._sink = sink
 
+    def set_ready_callback(self, callback: object) -> bool:
+        return False  # never calls back: the consumer iterates (a direct call takes its task at once)
+
+    def close(self) -> None:
+        if self._producer is not None and not self._producer.done():
+            self._producer.cancel()
+
     def __aiter__(self) -> FakeOutputs:
         return self
 

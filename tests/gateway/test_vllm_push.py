@@ -78,6 +78,12 @@ class ScriptedStream:
         await self._release.wait()
         raise StopAsyncIteration
 
+    def set_ready_callback(self, callback: object) -> bool:
+        return False  # the handler's task iterates (a direct call takes its task at once)
+
+    def close(self) -> None:
+        pass
+
     async def aclose(self) -> None:
         pass
 

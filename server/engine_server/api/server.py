@@ -106,7 +106,8 @@ class EngineServer:
             handlers, config.security,
             handler_factory=functools.partial(
                 FastPathHandler, fast_methods=_FAST_METHODS,
-                direct={EngineServicer.GENERATE_PATH: self.servicer.start_generate},
+                direct={EngineServicer.GENERATE_PATH: self.servicer.start_generate,
+                        f"/{VLLM_SERVICE}/Generate": self.vllm_servicer.start_generate},
             ),
         )
         if self.metrics is not None:

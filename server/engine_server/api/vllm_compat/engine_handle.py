@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from engine_server.engine.types import EngineStats
@@ -19,9 +19,16 @@ class OutputStream(Protocol):
 
     async def aclose(self) -> None: ...
 
+    def close(self) -> None:
+        """`aclose()` without awaiting."""
+
     def set_sink(self, sink: OutputSink | None) -> None:
         """Offer each output to `sink` before waking the consumer; what it declines (False) is yielded, in
         order (None: stop offering). A stream may never call it."""
+
+    def set_ready_callback(self, callback: Callable[[], None] | None) -> bool:
+        """Call `callback()` once instead of waking a consumer that is not waiting; False: not kept (iterate
+        instead)."""
 
 
 class EncodingLike(Protocol):

@@ -10,6 +10,7 @@ unwritten messages, so nothing is lost, sent twice or reordered.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .responses import EngineRequestFailed, ResponseBuilder
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 class OutputWriter:
     """Per call: `push` is the stream's sink; the handler sends `take(output)` for each output it is given."""
 
-    __slots__ = ("_builder", "_error", "_held", "_rest", "_sender", "_timer", "is_sending")
+    __slots__ = ("_builder", "_error", "_held", "_rest", "_sender", "_timer", "is_sending", "on_end")
 
     def __init__(self, builder: ResponseBuilder, sender: FastSender, timer: RequestTimer | None) -> None:
         self._builder = builder
@@ -33,6 +34,7 @@ class OutputWriter:
         self._held: GenerateOutput | None = None  # built by push but not (wholly) written: the handler's now
         self._rest: list[Any] = []  # the held output's messages push did not write
         self._error: EngineRequestFailed | None = None  # what building the held output raised
+        self.on_end: Callable[[], None] | None = None  # a call with no task: called once push wrote its end
 
     def push(self, output: GenerateOutput) -> bool:
         """Writes the output's messages in place (the engine's output task); False: it comes back through
@@ -52,9 +54,10 @@ class OutputWriter:
             if not sender.try_send(message):
                 self._held, self._rest = output, messages[position:]
                 return False
-        if output.finished:
-            # NOTE: the call ends with its last message, not once the handler has been woken to end it.
-            sender.try_send_ok_trailers()
+        # NOTE: the call ends with its last message, not once the handler has been woken to end it.
+        if output.finished and sender.try_send_ok_trailers() and self.on_end is not None:
+            on_end, self.on_end = self.on_end, None
+            on_end()
         return True
 
     def take(self, output: GenerateOutput) -> list[Any]:

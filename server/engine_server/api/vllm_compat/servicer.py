@@ -27,6 +27,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from engine_server.api.fast_send import FastSender
 from engine_server.api.in_flight import InFlight
+from engine_server.api.security.limits import count_received
 from engine_server.api.stream_limit import StreamSlot
 from engine_server.frontend.outputs import EngineState
 
@@ -39,8 +40,12 @@ from .service import RpcStream, VllmEngineBase
 from .tokenizer_bundle import TokenizerBundle, build_tokenizer_bundle
 
 if TYPE_CHECKING:
-    from engine_server.api.metrics import ServerMetrics
+    from engine_server.api.fast_path import DirectCall
+    from engine_server.api.metrics import RequestTimer, ServerMetrics
     from engine_server.api.stream_limit import StreamLimit
+    from engine_server.frontend.outputs import GenerateRequest
+
+    from .engine_handle import OutputStream
 
 logger = logging.getLogger(__name__)
 
@@ -154,49 +159,107 @@ class VllmEngineServicer(VllmEngineBase):
         # NOTE: the slot is taken before the request is looked at (an overloaded server refuses cheaply) and
         # given back only once the engine stream (aclosing below) is closed.
         with grpc_status("Generate", request.request_id), self._stream_slot() as slot:
-            generate_request = generate_request_from_proto(
-                request, tokenizer=engine.tokenizer, max_model_len=engine.model_info.max_model_len
-            )
-            params = generate_request.params
-            builder = ResponseBuilder(
-                stream=request.stream,
-                prompt_token_ids=generate_request.prompt_token_ids,
-                num_logprobs=params.logprobs,
-                num_prompt_logprobs=params.prompt_logprobs,
-                stop_token_ids=params.stop_token_ids,
-            )
-            metrics = self._metrics
-            timer = metrics.request_timer() if metrics is not None else None
-            # NOTE: messages as hand-built DATA frames, the bytes grpclib's send_message would write
-            # (api/fast_send.py); grpclib's path for anything unusual.
-            sender = FastSender(stream, before_end=slot.release if slot is not None else None)
-            writer = OutputWriter(builder, sender, timer)
+            call = self._admit(stream, request, engine, slot)
             # NOTE: aclosing: a cancelled handler (RST_STREAM) or a failed send aborts the engine request.
-            async with aclosing(engine.generate(generate_request)) as outputs:
-                if request.stream:
-                    # The headers now, so that every message can leave from the push sink: the engine's output
-                    # task writes it in place without waking this task (as engine.v1's streamed Generate).
-                    # stream=false keeps them for its one response; push then only takes the outputs that
-                    # produce no message.
-                    await sender.send_initial_metadata()
-                outputs.set_sink(writer.push)
-                try:
-                    async for output in outputs:  # what push declined, in order
-                        try:
-                            messages = writer.take(output)
-                        except EngineRequestFailed as exc:
-                            logger.error("request %r failed in the engine: %s", request.request_id, exc)
-                            raise GRPCError(Status.INTERNAL, "the engine failed running the request") from exc
-                        writer.is_sending = True
-                        for message in messages:
-                            await sender.send(message)
-                        writer.is_sending = False
-                finally:
-                    outputs.set_sink(None)
-            sender.try_send_ok_trailers()  # unless push did; else grpclib sends them on return
-            if timer is not None and metrics is not None:
-                metrics.on_request_done(timer, num_prompt_tokens=len(generate_request.prompt_token_ids),
-                                        num_completion_tokens=builder.num_completion_tokens)
+            async with aclosing(call.outputs):
+                await call.run()
+
+    def _admit(self, stream: RpcStream, request: pb.GenerateRequest, engine: EngineHandle,
+               slot: StreamSlot | None) -> _GenerateCall:
+        """The request converted and in the engine, its writer ready; raises what the engine raises."""
+        generate_request = generate_request_from_proto(
+            request, tokenizer=engine.tokenizer, max_model_len=engine.model_info.max_model_len
+        )
+        params = generate_request.params
+        builder = ResponseBuilder(
+            stream=request.stream,
+            prompt_token_ids=generate_request.prompt_token_ids,
+            num_logprobs=params.logprobs,
+            num_prompt_logprobs=params.prompt_logprobs,
+            stop_token_ids=params.stop_token_ids,
+        )
+        metrics = self._metrics
+        timer = metrics.request_timer() if metrics is not None else None
+        # NOTE: messages as hand-built DATA frames, the bytes grpclib's send_message would write
+        # (api/fast_send.py); grpclib's path for anything unusual.
+        sender = FastSender(stream, before_end=slot.release if slot is not None else None)
+        writer = OutputWriter(builder, sender, timer)
+        outputs = engine.generate(generate_request)
+        return _GenerateCall(request, generate_request, builder, sender, writer, outputs, metrics, timer)
+
+    def start_generate(self, stream: RpcStream, body: bytes, direct: DirectCall) -> bool:
+        """A streamed Generate served without a task of its own (api/fast_path.py's direct calls), as
+        engine.v1's `EngineServicer.start_generate`: admitted and its headers sent here, its messages and end
+        written by the engine's output task (`OutputWriter.push`), a task only if that cannot go on. False:
+        nothing was done or sent (`Generate` then serves the call on a task, errors included)."""
+        engine = self._engine_or_none
+        if engine is None or (self._is_ready is not None and not self._is_ready()):
+            return False
+        try:
+            request = pb.GenerateRequest.FromString(body)
+        except Exception:
+            return False
+        if not request.stream:
+            return False
+        slot = None
+        if self._stream_limit is not None:
+            slot = StreamSlot.try_take(self._stream_limit)
+            if slot is None:
+                return False
+        try:
+            call = self._admit(stream, request, engine, slot)
+        except Exception:
+            if slot is not None:
+                slot.release()
+            return False
+        count_received(stream)
+        self._last_receive_time = time.time()
+        self._in_flight.enter()
+        outputs, writer = call.outputs, call.writer
+
+        def leave() -> None:
+            writer.on_end = None
+            outputs.set_ready_callback(None)
+            outputs.set_sink(None)
+            outputs.close()  # (a finished request: nothing to abort)
+            if slot is not None:
+                slot.release()
+            self._in_flight.leave()
+
+        def end() -> None:  # the last message and the OK trailers have left
+            leave()
+            call.request_done()
+            direct.end()
+
+        def resume() -> None:
+            writer.on_end = None
+            direct.continue_in_task(lambda stream: self._resume(call, slot))
+
+        def cancel() -> None:  # the client reset the stream, or the connection is gone
+            logger.debug("Generate %s: cancelled (client, disconnect or deadline): aborted",
+                         request.request_id)
+            leave()
+
+        direct.on_cancel = cancel
+        writer.on_end = end
+        if not call.sender.try_send_initial_metadata():
+            resume()
+            return True
+        outputs.set_sink(writer.push)
+        if not outputs.set_ready_callback(resume):
+            resume()
+        return True
+
+    async def _resume(self, call: _GenerateCall, slot: StreamSlot | None) -> None:
+        """The rest of a direct call, on its task; leaves `in_flight` (entered at admission)."""
+        try:
+            with grpc_status("Generate", call.request.request_id):
+                async with aclosing(call.outputs):
+                    await call.run()
+        finally:
+            if slot is not None:
+                slot.release()
+            self._in_flight.leave()
 
     async def Abort(self, stream: RpcStream) -> None:
         request = await stream.recv_message()
@@ -321,3 +384,48 @@ def vllm_handlers(
     Pass `engine=None` when the server listens before the model is loaded, then `attach(engine)` each one.
     """
     return [VllmEngineServicer(engine, options=options, is_ready=is_ready, metrics=metrics)]
+
+
+@dataclass(slots=True)
+class _GenerateCall:
+    """One admitted Generate call: its request, engine stream and writer."""
+
+    request: pb.GenerateRequest
+    generate_request: GenerateRequest
+    builder: ResponseBuilder
+    sender: FastSender
+    writer: OutputWriter
+    outputs: OutputStream
+    metrics: ServerMetrics | None
+    timer: RequestTimer | None
+
+    async def run(self) -> None:
+        """Every output the push sink declines, sent from here in order, then the end (on the call's task)."""
+        sender, writer, outputs = self.sender, self.writer, self.outputs
+        if self.request.stream and not sender.initial_metadata_sent:
+            # The headers now, so that every message can leave from the push sink: the engine's output task
+            # writes it in place without waking this task (as engine.v1's streamed Generate). stream=false
+            # keeps them for its one response; push then only takes the outputs that produce no message.
+            await sender.send_initial_metadata()
+        outputs.set_sink(writer.push)
+        try:
+            async for output in outputs:  # what push declined, in order
+                try:
+                    messages = writer.take(output)
+                except EngineRequestFailed as exc:
+                    logger.error("request %r failed in the engine: %s", self.request.request_id, exc)
+                    raise GRPCError(Status.INTERNAL, "the engine failed running the request") from exc
+                writer.is_sending = True
+                for message in messages:
+                    await sender.send(message)
+                writer.is_sending = False
+        finally:
+            outputs.set_sink(None)
+        sender.try_send_ok_trailers()  # unless push did; else grpclib sends them on return
+        self.request_done()
+
+    def request_done(self) -> None:
+        timer, metrics = self.timer, self.metrics
+        if timer is not None and metrics is not None:
+            metrics.on_request_done(timer, num_prompt_tokens=len(self.generate_request.prompt_token_ids),
+                                    num_completion_tokens=self.builder.num_completion_tokens)
