@@ -93,27 +93,31 @@ class FastPathHandler(Handler):
         direct.pending = None
         stream = direct.stream
         taken = self._take_request(stream, direct.headers, headers_map)
-        admitted, metadata = self._admitted(direct.headers, headers_map[":path"])
-        if taken is not None and admitted:
+        call = None
+        if taken is not None:
             method, body, deadline = taken
-            call = direct.call = self._new_call(stream, headers_map, method, deadline)
+            admitted, metadata = self._admitted(direct.headers, headers_map[":path"])
+            call = self._new_call(stream, headers_map, method, deadline)
             call.metadata = metadata
-            try:
-                started = start(call, body, direct)
-            except Exception:  # NOTE: a bug; the client gets a reset instead of a call that never ends
-                log.exception("Server error")
-                direct.fail()
-                return
-            if started:
-                if self._stats is not None:
-                    self._stats.num_fast_path_calls += 1
-                    self._stats.num_direct_calls += 1
-                if deadline is not None and stream in self._direct:  # (the call may be over already)
-                    direct.timer = self.loop.call_later(deadline.time_remaining(), self._expire, direct)
-                return
+            if admitted:
+                direct.call = call
+                try:
+                    started = start(call, body, direct)
+                except Exception:  # NOTE: a bug; the client gets a reset instead of a call that never ends
+                    log.exception("Server error")
+                    direct.fail()
+                    return
+                if started:
+                    if self._stats is not None:
+                        self._stats.num_fast_path_calls += 1
+                        self._stats.num_direct_calls += 1
+                    if deadline is not None and stream in self._direct:  # (the call may be over already)
+                        direct.timer = self.loop.call_later(deadline.time_remaining(), self._expire, direct)
+                    return
         del self._direct[stream]
+        # NOTE: the call built above (metadata decoded) serves on the task: `start` did nothing with it
         self._tasks[stream] = self.loop.create_task(
-            self._handle(stream, direct.headers, headers_map, direct.release_stream, taken)
+            self._handle(stream, direct.headers, headers_map, direct.release_stream, taken, call)
         )
 
     def _admitted(self, headers: list[tuple[str, str]], path: str) -> tuple[bool, _Metadata | None]:
@@ -155,9 +159,7 @@ class FastPathHandler(Handler):
         direct.timer = None
         if self._direct.get(direct.stream) is not direct:
             return
-        on_cancel, direct.on_cancel = direct.on_cancel, None
-        if on_cancel is not None:
-            on_cancel()
+        direct.run_on_cancel()
         if direct.call is not None:
             direct.call.deadline = None  # NOTE: passed: the task's status comes from _deadline_exceeded
         self._continue(direct, _deadline_exceeded)
@@ -165,14 +167,7 @@ class FastPathHandler(Handler):
     async def _resume(self, direct: DirectCall, func: Callable[[Stream[Any, Any]], Awaitable[None]]) -> None:
         call = direct.call
         assert call is not None
-        try:
-            await self._serve(direct.stream, call, direct.headers, func)
-        except ProtocolError:
-            log.exception("Application error")
-        except Exception:
-            log.exception("Server error")
-        finally:
-            direct.release_stream()
+        await self._serve_and_release(direct.stream, call, direct.headers, func, direct.release_stream)
 
     def _ended(self, direct: DirectCall, status: Status) -> None:
         self._direct.pop(direct.stream, None)
@@ -202,7 +197,9 @@ class FastPathHandler(Handler):
     async def _handle(
         self, stream: Any, headers: list[tuple[str, str]], headers_map: dict[str, str],
         release_stream: Callable[[], Any], taken: tuple[Any, bytes, Deadline | None] | None = None,
+        call: Stream[Any, Any] | None = None,
     ) -> None:
+        """A call on its task; `taken` and `call`: its request, and its call object, if made already."""
         if taken is None:
             taken = self._take_request(stream, headers, headers_map)
         if taken is None:
@@ -212,10 +209,16 @@ class FastPathHandler(Handler):
         method, request, deadline = taken
         if self._stats is not None:
             self._stats.num_fast_path_calls += 1
-        try:
+        if call is None:
             call = self._new_call(stream, headers_map, method, deadline)
-            call.recv_message = _Once(call, request)  # type: ignore[method-assign]
-            await self._serve(stream, call, headers, method.func)
+        call.recv_message = _Once(call, request)  # type: ignore[method-assign]
+        await self._serve_and_release(stream, call, headers, method.func, release_stream)
+
+    async def _serve_and_release(self, stream: Any, call: Stream[Any, Any], headers: list[tuple[str, str]],
+                                 method_func: Callable[[Stream[Any, Any]], Awaitable[None]],
+                                 release_stream: Callable[[], Any]) -> None:
+        try:
+            await self._serve(stream, call, headers, method_func)
         except ProtocolError:
             log.exception("Application error")
         except Exception:
@@ -326,10 +329,14 @@ class DirectCall:
             self.pending = None
             self.release_stream()
             return
+        self.run_on_cancel()
+        self._handler._ended(self, Status.CANCELLED)
+
+    def run_on_cancel(self) -> None:
+        """The method's `on_cancel`, at most once (its request aborted, what it held given back)."""
         on_cancel, self.on_cancel = self.on_cancel, None
         if on_cancel is not None:
             on_cancel()
-        self._handler._ended(self, Status.CANCELLED)
 
     def stop_timer(self) -> None:
         if self.timer is not None:
