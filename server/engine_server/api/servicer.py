@@ -187,8 +187,9 @@ class EngineServicer(EngineServiceBase):
         path cannot go on. False: nothing was done or sent (the server is not serving, the request is not a
         streamed one, or would be refused): `Generate` then serves the call on a task, errors included.
         """
-        engine = self._engine
-        if (engine is None or not self._is_ready or self._is_draining or engine.state is EngineState.FAILED):
+        try:
+            engine = self._serving_engine()
+        except EngineDead:
             return False
         try:
             msg = generate_pb2.GenerateRequest.FromString(body)

@@ -192,8 +192,9 @@ class VllmEngineServicer(VllmEngineBase):
         engine.v1's `EngineServicer.start_generate`: admitted and its headers sent here, its messages and end
         written by the engine's output task (`OutputWriter.push`), a task only if that cannot go on. False:
         nothing was done or sent (`Generate` then serves the call on a task, errors included)."""
-        engine = self._engine_or_none
-        if engine is None or (self._is_ready is not None and not self._is_ready()):
+        try:
+            engine = self._serving_engine
+        except GRPCError:
             return False
         try:
             request = pb.GenerateRequest.FromString(body)
