@@ -80,24 +80,16 @@ impl From<tonic::Status> for Error {
         if status.code() == Code::Cancelled && status.message() == tonic::TimeoutExpired(()).to_string() {
             return Error::Status(tonic::Status::deadline_exceeded(status.message()));
         }
-        // NOTE: a call that hyper dropped unsent because its connection was going away (a GOAWAY, as a draining
-        // server sends, arrived while another stream kept the connection open) comes back as CANCELLED with the
-        // transport error as source: the server never saw it, so it is a connection failure, UNAVAILABLE, and
-        // safe to retry (tonic reconnects for the next call).
-        if status.code() == Code::Cancelled
-            && std::error::Error::source(&status).is_some_and(|source| source.is::<tonic::transport::Error>())
-        {
+        // NOTE: a call that never reached the server because its connection was going away (a GOAWAY, as a
+        // draining server sends, arrived while another stream kept the connection open) is a connection failure:
+        // UNAVAILABLE, and safe to retry (tonic reconnects for the next call). It comes back two ways: dropped
+        // unsent by hyper, as CANCELLED with the transport error as source; or refused by h2 itself (the GOAWAY
+        // with NO_ERROR was in before the stream went out), as INTERNAL with h2's error behind it.
+        let dropped_by_hyper = status.code() == Code::Cancelled
+            && std::error::Error::source(&status)
+                .is_some_and(|source| source.is::<tonic::transport::Error>());
+        if dropped_by_hyper || refused_after_goaway(&status) {
             // The new status cannot carry the source along: its messages go into the text instead.
-            return Error::Status(tonic::Status::unavailable(format!(
-                "{}{}",
-                status.message(),
-                causes(&status)
-            )));
-        }
-        // NOTE: the same race when h2 itself refused to open the stream: the connection had already received a
-        // GOAWAY with NO_ERROR from the server (a drain) when the call went out; tonic reports that as INTERNAL
-        // with h2's error behind it. The server never saw the call either: UNAVAILABLE, safe to retry.
-        if refused_after_goaway(&status) {
             return Error::Status(tonic::Status::unavailable(format!(
                 "{}{}",
                 status.message(),
