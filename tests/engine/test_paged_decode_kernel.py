@@ -7,25 +7,20 @@ Random paged caches with scattered block tables; GQA groups, a head size that is
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from engine_server.engine import attention, cpu_kernels, model_runner
+from engine_server.engine import cpu_kernels
 from engine_server.engine.attention import DecodeBatch, PagedMetadata, paged_attention_forward
-from engine_server.engine.llm_engine import LLMEngine
 from engine_testutil import (
     DECODE_BLOCK,
     DECODE_CASES,
     DECODE_DTYPES,
     DECODE_LENS,
-    DEVICE,
     KERNEL_VARIANTS,
-    assert_greedy_like_transformers,
     cpu_kernel_variant,
     decode_case,
-    engine_config,
     float64_decode_attention,
 )
 
@@ -114,35 +109,3 @@ def test_a_failed_build_falls_back_to_the_torch_path(tmp_path: Any, monkeypatch:
     assert "unavailable, using the torch path" in caplog.text
     kernels_dir = tmp_path / "kernels"
     assert not kernels_dir.exists() or list(kernels_dir.iterdir()) == []
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU kernel's prefill rows")
-def test_engine_attends_short_prefill_chunks_with_the_kernel(model_dir: Path, ref_model: Any,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prefill chunks (first ones and continuations) whose context is at most KERNEL_PREFILL_MAX_CONTEXT
-    positions are the kernel's query rows, one per token; longer ones stay on SDPA; the tokens are
-    transformers' own."""
-    sdpa_key_lens: list[int] = []
-    sdpa = attention._attention
-
-    def spy(q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        sdpa_key_lens.append(k.shape[-2])
-        return sdpa(q, k, *args, **kwargs)
-
-    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=128, max_num_batched_tokens=64))
-    monkeypatch.setattr(attention, "_attention", spy)  # after the load's own check pass
-    assert engine.runner is not None
-    assert engine.runner.decode_kernel is not None
-    kernel = engine.runner.decode_kernel
-    rows_per_call: list[tuple[int, int]] = []  # (query rows, distinct block tables among them)
-
-    def counting_kernel(*args: Any) -> None:
-        rows_per_call.append((args[0].shape[0], len({tuple(row) for row in args[3].tolist()})))
-        kernel(*args)
-
-    engine.runner.decode_kernel = counting_kernel
-    # 64-token chunks: the 150-token prompt entirely in the kernel, the 250-token one's last chunk on SDPA
-    assert_greedy_like_transformers(engine, ref_model, (150, 250, 20, 33), seed=5, max_tokens=5)
-    assert sdpa_key_lens
-    assert min(sdpa_key_lens) > model_runner.KERNEL_PREFILL_MAX_CONTEXT
-    assert any(rows > tables for rows, tables in rows_per_call)  # several rows of one sequence: a chunk's

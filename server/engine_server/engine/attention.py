@@ -7,8 +7,9 @@ Each layer first writes this step's K/V into the paged cache (slot mapping), the
   paged cache in place (on CPU the engine's compiled one, engine/csrc/; on CUDA its Triton one,
   engine/triton_decode.py); where neither is available, their contexts are gathered into padded groups with
   a key mask and one SDPA call per group;
-- on CPU, the tokens of short prefill chunks in that same kernel call, each token a query row over its
-  sequence's positions up to its own (model_runner.KERNEL_PREFILL_MAX_CONTEXT says how short);
+- on CPU, short prefill chunks (model_runner.KERNEL_PREFILL_MAX_CONTEXT says how short) in one call of the
+  engine's compiled prefill kernel, which also reads the paged cache in place, each token a query row over its
+  sequence's positions up to its own;
 - other prefill chunks one sequence at a time, with a causal mask offset by the cached context; chunks that
   start their sequences and have the same length (a burst of equal-length prompts) laid out back to back are
   one batched causal SDPA call.
@@ -70,12 +71,27 @@ class DecodeBatch:
 
 
 @dataclass(slots=True)
+class PrefillBatch:
+    """Prefill chunks for the CPU prefill kernel (cpu_kernels.py): their rows are q_start..q_end, chunk after
+    chunk; chunk i starts at position starts[i] (the positions before it are in the cache) and has
+    num_rows[i] rows, each attending its sequence up to its own position."""
+
+    q_start: int
+    q_end: int
+    block_tables: torch.Tensor  # [num_chunks, max_blocks] int64, padded with block 0
+    starts: torch.Tensor  # [num_chunks] int64
+    num_rows: torch.Tensor  # [num_chunks] int64
+    kernel: Callable[..., None]
+
+
+@dataclass(slots=True)
 class PagedMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, d] x2
     slot_mapping: torch.Tensor  # [num_tokens]: where each new token's K/V goes (block * block_size + offset)
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_batch: DecodeBatch | None = None  # instead of `decodes` where the kernel is available
+    prefill_batch: PrefillBatch | None = None  # short chunks, where the CPU prefill kernel is available
 
 
 def paged_attention_forward(
@@ -125,6 +141,9 @@ def paged_attention_forward(
     if meta.decode_batch is not None:
         _kernel_decode(meta.decode_batch, query, k_cache, v_cache, out, scaling=scaling, window=window,
                        softcap=softcap)
+    if meta.prefill_batch is not None:
+        _kernel_prefill(meta.prefill_batch, query, k_cache, v_cache, out, scaling=scaling, window=window,
+                        softcap=softcap)
     # 3) prefill chunks, one sequence at a time (or one batch of equal-length first chunks)
     for chunk in meta.prefills:
         if chunk.num_seqs > 1:
@@ -160,6 +179,18 @@ def _kernel_decode(batch: DecodeBatch, query: torch.Tensor, k_cache: torch.Tenso
     scale = head_dim ** -0.5 if scaling is None else scaling
     # the kernel writes straight into the output rows (a contiguous slice of `out`)
     batch.kernel(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale, window or 0,
+                 softcap or 0.0, out[batch.q_start:batch.q_end].view(shape))
+
+
+def _kernel_prefill(batch: PrefillBatch, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    out: torch.Tensor, *, scaling: float | None, window: int | None,
+                    softcap: float | None) -> None:
+    n = batch.q_end - batch.q_start
+    num_heads, head_dim = query.shape[1], query.shape[3]
+    shape = (n, k_cache.shape[2], num_heads // k_cache.shape[2], head_dim)  # [n, kv_heads, group, d]
+    q = query[0, :, batch.q_start:batch.q_end].transpose(0, 1).reshape(shape).contiguous()
+    scale = head_dim ** -0.5 if scaling is None else scaling
+    batch.kernel(q, k_cache, v_cache, batch.block_tables, batch.starts, batch.num_rows, scale, window or 0,
                  softcap or 0.0, out[batch.q_start:batch.q_end].view(shape))
 
 

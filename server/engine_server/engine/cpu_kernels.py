@@ -1,6 +1,6 @@
 """The engine's own CPU kernels (csrc/), compiled on first use and cached per machine.
 
-`load()` returns the compiled module (decode attention over the paged cache, fused RMSNorm and
+`load()` returns the compiled module (decode and prefill attention over the paged cache, fused RMSNorm and
 SiLU-and-mul), or None when it cannot be had (no C++ compiler, a build error, ENGINE_CPU_KERNELS=0);
 the engine then stays on its torch-only path, which gives the same results more slowly. The build
 takes ~30 s once (2 vCPUs); the cache key covers the sources, the flags, torch, Python and this CPU's
@@ -50,6 +50,10 @@ class CpuKernels(Protocol):
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                window: int, softcap: float, out: torch.Tensor) -> None: ...
+
+    def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, starts: torch.Tensor, num_rows: torch.Tensor,
+                                scale: float, window: int, softcap: float, out: torch.Tensor) -> None: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None: ...
 

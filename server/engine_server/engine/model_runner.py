@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_server.engine import cpu_kernels, decode_graphs, host_memory, triton_decode
-from engine_server.engine.attention import DecodeBatch, DecodeGroup, PagedMetadata, PrefillChunk
+from engine_server.engine.attention import DecodeBatch, DecodeGroup, PagedMetadata, PrefillBatch, PrefillChunk
 from engine_server.engine.cpu_kernels import CpuKernels
 from engine_server.engine.decode_graphs import DecodeGraphs
 from engine_server.engine.fused_modules import fuse_modules, rotary_kernel_active
@@ -22,11 +22,13 @@ from engine_server.engine.scheduler import ScheduledSeq
 logger = logging.getLogger(__name__)
 
 DECODE_GROUP_MIN = 8  # fewer sequences than this are not worth their own SDPA call
-# On CPU, prefill chunks whose context (start + new tokens) is at most this many positions are attended by the
-# decode kernel too, one query row per token: at ~100 positions it took 0.6x (head_dim 16) to 0.85x (head_dim
-# 128) of SDPA's time (flash attention's tiles are mostly padding there, and a continuation chunk's SDPA needs
-# its context gathered and an explicit mask); from ~250 (head_dim 16) or ~380 (head_dim 128) SDPA was faster.
-KERNEL_PREFILL_MAX_CONTEXT = 192
+# On CPU, prefill chunks whose context (start + new tokens) is at most this many positions are attended by
+# the compiled prefill kernel, all in one call; longer ones by SDPA (flash attention), which gains on it as
+# contexts grow. Chunks of 100 to 1024 positions, one thread, a 2-vCPU AMD EPYC (AVX2), against batched causal
+# SDPA on contiguous tensors (what a first chunk gets; a continuation's SDPA also needs its context gathered
+# and a mask): head_dim 16 0.6-0.7x of SDPA's time at 100 to 512 positions; head_dim 64 ~0.9x at 100 to 256,
+# 1.5x at 1024; head_dim 128 (4 query heads per kv head) 0.7x at 256.
+KERNEL_PREFILL_MAX_CONTEXT = 256
 
 
 @dataclass(slots=True)
@@ -56,10 +58,12 @@ class ModelRunner:
         # CUDA through its Triton kernel (once it has matched torch on this device); else gather + SDPA.
         kernels = cpu_kernels.load() if device.type == "cpu" else None
         self.decode_kernel: Callable[..., None] | None = None
-        self._kernel_prefill_max = 0  # prefill chunks the decode kernel attends: contexts up to this long
+        self.prefill_kernel: Callable[..., None] | None = None
+        self._kernel_prefill_max = 0  # prefill chunks the prefill kernel attends: contexts up to this long
         self._rotary_kernels: CpuKernels | None = None  # where its forward passes rotate with the kernel
         if kernels is not None:
             self.decode_kernel = kernels.paged_decode_attention
+            self.prefill_kernel = kernels.paged_prefill_attention
             self._kernel_prefill_max = KERNEL_PREFILL_MAX_CONTEXT
             fused = fuse_modules(model, kernels)
             self._rotary_kernels = kernels if fused["rotary"] else None
@@ -113,8 +117,8 @@ class ModelRunner:
         if graphs is not None and len(decodes) == len(scheduled) and graphs.fits(decodes):
             rows = {s.seq.seq_id: i for i, s in enumerate(decodes)}
             return StepLogits(graphs.run(decodes).float(), rows, {}), decodes
-        # Short chunks right after the decodes (the kernel's rows are one contiguous run); then first chunks
-        # of equal length side by side: each run of them is one batched attention call.
+        # Short chunks right after the decodes (the prefill kernel's rows are one contiguous run); then first
+        # chunks of equal length side by side: each run of them is one batched attention call.
         limit = self._kernel_prefill_max
 
         def in_kernel(s: ScheduledSeq) -> bool:  # a prefill chunk the kernel attends
@@ -122,7 +126,7 @@ class ModelRunner:
 
         prefills = sorted((s for s in scheduled if s.num_new_tokens > 1),
                           key=lambda s: (not in_kernel(s), s.start > 0, s.num_new_tokens))
-        kernel_rows = decodes + [s for s in prefills if in_kernel(s)]
+        kernel_chunks = [s for s in prefills if in_kernel(s)]
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -165,8 +169,10 @@ class ModelRunner:
             slot_mapping=self._int64(slot_mapping),
             prefills=chunks,
         )
-        if kernel_rows and self.decode_kernel is not None:
-            meta.decode_batch = self._decode_batch(kernel_rows, self.decode_kernel)
+        if kernel_chunks and self.prefill_kernel is not None:
+            meta.prefill_batch = self._prefill_batch(kernel_chunks, len(decodes), self.prefill_kernel)
+        if decodes and self.decode_kernel is not None:
+            meta.decode_batch = self._decode_batch(decodes, self.decode_kernel)
         else:
             group_start = 0
             for group_end in self._decode_group_ends(decodes):
@@ -239,15 +245,8 @@ class ModelRunner:
                 first = i
         return ends
 
-    def _decode_tables(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context lengths [n] and block tables [n, max_blocks] (padded with block 0) of the query rows of
-        `seqs`, one per new token: a decode's one, or each token of a chunk (attending up to itself)."""
-        context_lens: list[int] = []
-        for s in seqs:
-            if s.num_new_tokens == 1:
-                context_lens.append(s.start + 1)
-            else:
-                context_lens.extend(range(s.start + 1, s.start + s.num_new_tokens + 1))
+    def _block_tables(self, seqs: list[ScheduledSeq], context_lens: list[int]) -> torch.Tensor:
+        """[n, max_blocks] block tables of `seqs`, each covering its context length (padded with block 0)."""
         max_blocks = -(-max(context_lens) // self.block_size)
         padding = [0] * max_blocks
         tables: list[int] = []
@@ -258,11 +257,20 @@ class ModelRunner:
             else:
                 tables += table
                 tables += padding[:max_blocks - len(table)]
-        tables_t = self._int64(tables).view(len(seqs), max_blocks)
-        if len(context_lens) > len(seqs):  # a sequence's table for each of its rows
-            rows = self._int64([s.num_new_tokens for s in seqs])
-            tables_t = tables_t.repeat_interleave(rows, dim=0)
-        return self._int64(context_lens), tables_t
+        return self._int64(tables).view(len(seqs), max_blocks)
+
+    def _decode_tables(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context lengths [n] and block tables [n, max_blocks] of decoding `seqs` (one new token each)."""
+        context_lens = [s.start + 1 for s in seqs]
+        return self._int64(context_lens), self._block_tables(seqs, context_lens)
+
+    def _prefill_batch(self, chunks: list[ScheduledSeq], q_start: int,
+                       kernel: Callable[..., None]) -> PrefillBatch:
+        num_rows = [s.num_new_tokens for s in chunks]
+        tables = self._block_tables(chunks, [s.start + s.num_new_tokens for s in chunks])
+        return PrefillBatch(q_start=q_start, q_end=q_start + sum(num_rows), block_tables=tables,
+                            starts=self._int64([s.start for s in chunks]), num_rows=self._int64(num_rows),
+                            kernel=kernel)
 
     def _decode_batch(self, seqs: list[ScheduledSeq], kernel: Callable[..., None]) -> DecodeBatch:
         context_lens, tables = self._decode_tables(seqs)

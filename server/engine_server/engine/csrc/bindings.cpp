@@ -9,6 +9,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &engine_kernels::paged_decode_attention,
         "decode attention over a paged KV cache (CPU)");
+  m.def("paged_prefill_attention", &engine_kernels::paged_prefill_attention,
+        "causal attention of prefill chunks over a paged KV cache (CPU)");
   m.def("rms_norm", &engine_kernels::rms_norm, "Llama-style RMSNorm over the last dim (CPU)");
   m.def("silu_and_mul", &engine_kernels::silu_and_mul, "T(silu(gate)) * up (CPU)");
   m.def("rotary_embedding", &engine_kernels::rotary_embedding,

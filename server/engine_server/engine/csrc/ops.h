@@ -12,6 +12,12 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             int64_t window, double softcap, at::Tensor& out);
 
+// Prefill attention over the paged KV cache, read in place: the causal rows of whole chunks
+// (paged_prefill_attention.cpp).
+void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& block_tables, const at::Tensor& starts, const at::Tensor& num_rows,
+                             double scale, int64_t window, double softcap, at::Tensor& out);
+
 // out = weight * T(x * rsqrt(mean(x^2) + eps)) over the last dim, as Llama-style RMSNorm computes it
 // (float32 statistics, the normalized value rounded to the model dtype before the weight) (fused_ops.cpp).
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
