@@ -263,6 +263,9 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, plots: dict[str
         "Server CPU = utime+stime of the server's whole process tree (/proc/PID/stat) per generated token; "
         "for the in-process row it includes the client's own work." + _gpu_note(args),
         f"### Targets at {top} streams", report.targets(rows, concurrency=top, step_ms=args.step_ms),
+        f"TTFT at {top} streams, the first wave (every stream's first request, all sent at once: one burst "
+        "of prefills) and the requests after it (not targets; the targets above are on whole runs):",
+        report.first_wave(rows, concurrency=top, step_ms=args.step_ms),
     ]
     for engine in args.engines:
         label = report.engine_label(engine, args.step_ms)

@@ -55,7 +55,8 @@ async def main_async(args: argparse.Namespace) -> None:
         cpu0 = cpu_seconds_self()
         traces, wall_s = await closed_loop(send, concurrency=concurrency, num_requests=num_requests,
                                            first=first)
-        summary = summarize(traces, wall_s=wall_s, client_cpu_s=cpu_seconds_self() - cpu0)
+        summary = summarize(traces, wall_s=wall_s, client_cpu_s=cpu_seconds_self() - cpu0,
+                            concurrency=concurrency)
         print(json.dumps(summary.to_json()), flush=True)
     await engine.shutdown(timeout=5.0)
 

@@ -164,7 +164,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
             first = next((a for a, n in t.arrivals if n > 0), math.nan)
             lines.append(f"{t.sent - start:.4f} {(first - t.sent) * 1e3:.2f} {len(t.arrivals)}\n")
         Path(args.trace_out).write_text("".join(lines))  # after the run: blocking is fine
-    return summarize(traces, wall_s=wall_s, client_cpu_s=cpu_s).to_json()
+    return summarize(traces, wall_s=wall_s, client_cpu_s=cpu_s, concurrency=args.concurrency).to_json()
 
 
 def main() -> None:

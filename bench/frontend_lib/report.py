@@ -91,6 +91,32 @@ def targets(rows: list[Row], *, concurrency: int, step_ms: float,
     return "\n".join(lines)
 
 
+def _ms_and_ratio(row: Row, ref: Row | None, key: str) -> list[str]:
+    value, base = row.get(key), ref.get(key) if ref is not None else None
+    if value is None or math.isnan(value):
+        return ["-", "-"]
+    ratio = f"{value / base:.2f}" if base and not math.isnan(base) else "-"
+    return [f"{value:.0f}", ratio]
+
+
+def first_wave(rows: list[Row], *, concurrency: int, step_ms: float) -> str:
+    """TTFT at `concurrency` streams split into the run's first wave (every stream's first request, sent at
+    once) and the requests after it, each with its ratio to the SSE server: informative, next to the targets
+    (which are on whole runs)."""
+    keys = ("ttft_first_wave_max_ms", "ttft_after_first_wave_p99_ms", "ttft_after_first_wave_std_ms")
+    lines = ["| engine | server | first wave: max ms | vs SSE | after it: p99 ms | vs SSE | stddev ms "
+             "| vs SSE |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for engine in dict.fromkeys(row["engine"] for row in rows):
+        ref = _find(rows, engine, "sse", concurrency)
+        for server, label in SERVER_LABELS.items():
+            row = _find(rows, engine, server, concurrency)
+            if row is None or keys[0] not in row:
+                continue
+            cells = [cell for key in keys for cell in _ms_and_ratio(row, ref, key)]
+            lines.append(f"| {engine_label(engine, step_ms)} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[Row], engine: str, path: Path, *, step_ms: float) -> None:
     import matplotlib
 
