@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from engine_server.engine import malloc_policy
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.model_info import ModelInfo
 
@@ -144,6 +145,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     task = detect_task(model_dir, architecture, config.task)
     dtype = resolve_dtype(config, hf_config)
     device = torch.device(config.device)
+    if device.type == "cpu":
+        malloc_policy.keep_freed_heap()  # the process's activations are malloc'd: see malloc_policy.py
     bos, eos_ids, pad = special_token_ids(model_dir, hf_config)
     max_model_len = max_model_len_of(config, hf_config)
     if task == "embed":
