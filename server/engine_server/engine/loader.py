@@ -133,6 +133,15 @@ class LoadedModel:
 
 def load_model(config: EngineConfig) -> LoadedModel:
     """Loads the model named by config (a local directory) for its task."""
+    loaded = _load_for_task(config)
+    if loaded.device.type == "cpu":
+        # NOTE: after loading, so what loading freed (conversion copies, say) was given back under glibc's
+        # defaults; from here on, what a step frees stays for the next (malloc_policy.py)
+        malloc_policy.keep_freed_heap()
+    return loaded
+
+
+def _load_for_task(config: EngineConfig) -> LoadedModel:
     from transformers import AutoConfig
 
     model_dir = check_model_dir(config.model)
@@ -145,8 +154,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
     task = detect_task(model_dir, architecture, config.task)
     dtype = resolve_dtype(config, hf_config)
     device = torch.device(config.device)
-    if device.type == "cpu":
-        malloc_policy.keep_freed_heap()  # the process's activations are malloc'd: see malloc_policy.py
     bos, eos_ids, pad = special_token_ids(model_dir, hf_config)
     max_model_len = max_model_len_of(config, hf_config)
     if task == "embed":
