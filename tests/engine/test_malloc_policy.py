@@ -53,8 +53,9 @@ def test_freed_activations_are_not_faulted_in_again() -> None:
 def test_settings_the_user_made_stand() -> None:
     applied, faults = _run_steps("policy", MALLOC_TOP_PAD_="0")
     assert applied == "False"
-    # glibc honours theirs: a set top pad fixes the mmap threshold at 128 KiB, so every tensor is mapped anew
-    assert faults > 10 * 10 * 512
+    # theirs, not the policy's, is in force (glibc 2.36: a set top pad fixes the mmap threshold at 128 KiB, so
+    # every tensor is mapped anew, ~100,000 faults)
+    assert faults > 64
 
 
 def test_loading_a_model_on_cpu_applies_it(monkeypatch: pytest.MonkeyPatch, model_dir: Path) -> None:
