@@ -20,9 +20,9 @@ glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
 # faults of ten more steps after three to warm up. Under glibc's defaults the freed heap top is trimmed and
 # faulted in again (~100 faults a step here); kept, a later step faults nothing.
 _STEPS = textwrap.dedent("""
-    import resource, sys, torch
+    import resource, torch
     from engine_server.engine import malloc_policy
-    applied = malloc_policy.keep_freed_heap() if sys.argv[1] == "policy" else None
+    applied = malloc_policy.keep_freed_heap()
     def step():
         live = [torch.empty(1 << 20).fill_(1.0) for _ in range(10)]
         del live
@@ -35,23 +35,24 @@ _STEPS = textwrap.dedent("""
 """)
 
 
-def _run_steps(mode: str, **env: str) -> tuple[str, int]:
+def _run_steps(**env: str) -> tuple[str, int]:
+    """Runs _STEPS in a fresh process (with `env` added): what keep_freed_heap() returned, the faults."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | env
-    out = subprocess.run([sys.executable, "-c", _STEPS, mode], env=environment, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _STEPS], env=environment, capture_output=True,
                          text=True, check=True, timeout=120).stdout.split()
     return out[0], int(out[1])
 
 
 @glibc_only
 def test_freed_activations_are_not_faulted_in_again() -> None:
-    applied, faults = _run_steps("policy")
+    applied, faults = _run_steps()
     assert applied == "True"
     assert faults <= 64, f"{faults} minor faults in 10 steps with the policy"
 
 
 @glibc_only
 def test_settings_the_user_made_stand() -> None:
-    applied, faults = _run_steps("policy", MALLOC_TOP_PAD_="0")
+    applied, faults = _run_steps(MALLOC_TOP_PAD_="0")
     assert applied == "False"
     # theirs, not the policy's, is in force (glibc 2.36: a set top pad fixes the mmap threshold at 128 KiB, so
     # every tensor is mapped anew, ~100,000 faults)
