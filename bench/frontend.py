@@ -189,7 +189,8 @@ def measure(server: Server, engine: str, concurrency: int, args: argparse.Namesp
 def run_all(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     """Per engine: every server up at once (idle ones cost nothing), then per concurrency the servers take
     turns, `rounds` times in rotating order, so a busy moment on the machine does not land on one of them;
-    each server's best round is kept."""
+    each server's best round is kept, with every round's target metrics (`rounds`, in round order: round i
+    of two servers ran minutes apart at most, so their ratio is a paired reading)."""
     rows: list[dict[str, Any]] = []
     for engine in args.engines:
         print(f"== {engine}: starting {', '.join(args.servers)}", flush=True)
@@ -204,12 +205,16 @@ def run_all(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
             rounds = 1 if args.quick else args.rounds
             for concurrency in args.concurrency:
                 best: dict[str, dict[str, Any]] = {}
+                every: dict[str, list[dict[str, float]]] = {server.kind: [] for server in servers}
                 for round_index in range(rounds):
                     shift = round_index % len(servers)
                     for server in servers[shift:] + servers[:shift]:
                         row = measure(server, engine, concurrency, args)
+                        every[server.kind].append({key: row[key] for key in report.TARGET_KEYS})
                         if server.kind not in best or row["tokens_per_s"] > best[server.kind]["tokens_per_s"]:
                             best[server.kind] = row
+                for server in servers:
+                    best[server.kind]["rounds"] = every[server.kind]
                 rows.extend(best[server.kind] for server in servers)
         finally:
             for server in servers:

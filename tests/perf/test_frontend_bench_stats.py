@@ -53,3 +53,35 @@ def test_first_wave_table_gives_ratios_to_the_sse_server() -> None:
     assert cells["engine-server (gRPC)"] == ["480", "0.75", "110", "0.50", "18", "0.50"]
     assert cells["HTTP/SSE reference"] == ["640", "1.00", "220", "1.00", "36", "1.00"]
     assert cells["in-process"] == ["400", "0.62", "-", "-", "-", "-"]
+
+
+def _target_row(server: str, rounds: list[tuple[float, float, float]]) -> dict[str, object]:
+    """A best row (its first round's numbers) with every round's (tokens/s, TTFT p99, TTFT stddev)."""
+    keys = ("tokens_per_s", "ttft_p99_ms", "ttft_std_ms")
+    every = [dict(zip(keys, r, strict=True)) for r in rounds]
+    return {"engine": "tiny", "server": server, "concurrency": 256, **every[0], "rounds": every}
+
+
+def test_targets_table_counts_the_rounds_each_target_held_in() -> None:
+    rows = [
+        # round 1: every target held; round 2: p99 0.8x and stddev 0.9x of the SSE server's; round 3: the
+        # SSE server slower (tokens/s 1.5x) with a better p99 (0.5x) but a worse stddev (1.0x)
+        _target_row("grpc", [(150.0, 70.0, 60.0), (150.0, 80.0, 90.0), (150.0, 50.0, 100.0)]),
+        _target_row("sse", [(100.0, 100.0, 100.0), (100.0, 100.0, 100.0), (100.0, 100.0, 100.0)]),
+        _target_row("inproc", [(160.0, 60.0, 50.0), (140.0, 60.0, 50.0), (170.0, 60.0, 50.0)]),
+    ]
+    lines = report.targets(rows, concurrency=256, step_ms=1.0).splitlines()
+    cells = {line.strip("| ").split(" | ")[2]: line.strip("| ").split(" | ")[3:] for line in lines[2:]}
+    # server's, reference, ratio, target, met (best rounds), rounds met, in-process
+    assert cells["tokens/s vs SSE"] == ["150", "100", "1.50", ">= 1.37", "yes", "3/3", "1.60"]
+    assert cells["p99 TTFT vs SSE"] == ["70", "100", "0.70", "<= 0.74", "yes", "2/3", "0.60"]
+    assert cells["TTFT stddev vs SSE"] == ["60", "100", "0.60", "<= 0.66", "yes", "1/3", "0.50"]
+    assert cells["tokens/s vs in-process"] == ["150", "160", "0.94", ">= 0.9", "yes", "2/3", "-"]
+
+
+def test_rows_without_rounds_leave_the_column_empty() -> None:
+    rows = [_target_row("grpc", [(150.0, 70.0, 60.0)]), _target_row("sse", [(100.0, 100.0, 100.0)])]
+    for row in rows:
+        del row["rounds"]
+    lines = report.targets(rows, concurrency=256, step_ms=1.0).splitlines()
+    assert [line.strip("| ").split(" | ")[8] for line in lines[2:]] == ["-", "-", "-"]
