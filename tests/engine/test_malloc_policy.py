@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -13,8 +12,7 @@ import pytest
 from engine_server.engine import loader, malloc_policy
 from engine_server.engine.config import EngineConfig
 
-glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                                reason="mallopt settings are glibc's")
+glibc_only = pytest.mark.skipif(not malloc_policy.runs_on_glibc(), reason="mallopt settings are glibc's")
 
 # A step's worth of activations: ten 4 MiB tensors alive together, written, then all freed; the minor page
 # faults of ten more steps after three to warm up. Under glibc's defaults the freed heap top is trimmed and

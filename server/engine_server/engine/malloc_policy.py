@@ -29,10 +29,15 @@ TRIM_THRESHOLD = 1 << 30
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 
+def runs_on_glibc() -> bool:
+    """Whether this process's C library is glibc (the only one these settings are for)."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def keep_freed_heap() -> bool:
     """Sets glibc's mmap and trim thresholds for this process; False where the C library is not glibc, the
     user set malloc's tunables themselves, or glibc refused."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not runs_on_glibc():
         return False
     if any(name in os.environ for name in _USER_SETTINGS) or "glibc.malloc." in os.environ.get(
             "GLIBC_TUNABLES", ""):
