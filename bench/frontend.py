@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -37,7 +38,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 from frontend_lib import report  # noqa: E402
-from frontend_lib.procstat import descendants, tree_cpu_seconds  # noqa: E402
+from frontend_lib.procstat import cpu_seconds, descendants, process_name  # noqa: E402
 
 READY_TIMEOUT_S = 300.0
 
@@ -97,6 +98,9 @@ class Server:
         )
         self.port = self._wait_ready()
         self.pids = descendants(self.process.pid)
+        # NOTE: the engine core names its process (server/engine_server/proc_title.py); everything else in the
+        # tree is frontend (for the in-process row: the client's process, AsyncEngine and the client loop)
+        self.core_pids = {pid for pid in self.pids if process_name(pid) == "engine-core"}
 
     def _wait_ready(self) -> int:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -169,19 +173,25 @@ def num_requests(concurrency: int, step_ms: float | None, quick: bool) -> int:
 
 
 def measure(server: Server, engine: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
-    cpu0 = tree_cpu_seconds(server.pids)
+    before = cpu_seconds(server.pids)
     result = server.run_load(
         concurrency, num_requests(concurrency, report.sim_step_ms(engine, args.step_ms), args.quick), args
     )
-    busy_s = tree_cpu_seconds(server.pids) - cpu0
+    spent = {pid: seconds - before.get(pid, 0.0) for pid, seconds in cpu_seconds(server.pids).items()}
+    busy_s = sum(spent.values())
+    core_s = sum(seconds for pid, seconds in spent.items() if pid in server.core_pids)
+    per_token = 1e6 / max(1, result["num_tokens"])
     row = {"engine": engine, "server": server.kind, "concurrency": concurrency, **result,
-           "server_cpu_us_per_token": busy_s * 1e6 / max(1, result["num_tokens"]),
+           "server_cpu_us_per_token": busy_s * per_token,
+           "frontend_cpu_us_per_token": (busy_s - core_s) * per_token if server.core_pids else math.nan,
+           "core_cpu_us_per_token": core_s * per_token if server.core_pids else math.nan,
            "server_cpu_pct": 100.0 * busy_s / result["wall_s"],
            "messages_per_request": result["num_messages"] / max(1, result["num_requests"])}
     if server.kind == "inproc":
         row["client_cpu_pct"] = None  # the client is inside the measured process
     print(f"   {server.kind:<7} c={concurrency:<4} {row['tokens_per_s']:8.0f} tok/s  TTFT p99 "
-          f"{row['ttft_p99_ms']:7.0f} ms  server {row['server_cpu_us_per_token']:6.1f} "
+          f"{row['ttft_p99_ms']:7.0f} ms  server {row['server_cpu_us_per_token']:6.1f} (frontend "
+          f"{row['frontend_cpu_us_per_token']:.1f}) "
           f"us/tok ({row['server_cpu_pct']:.0f}%)  loadgen {result['client_cpu_pct']:.0f}%", flush=True)
     return row
 
@@ -210,7 +220,7 @@ def run_all(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
                     shift = round_index % len(servers)
                     for server in servers[shift:] + servers[:shift]:
                         row = measure(server, engine, concurrency, args)
-                        every[server.kind].append({key: row[key] for key in report.TARGET_KEYS})
+                        every[server.kind].append({key: row[key] for key in report.ROUND_KEYS})
                         if server.kind not in best or row["tokens_per_s"] > best[server.kind]["tokens_per_s"]:
                             best[server.kind] = row
                 for server in servers:
@@ -266,11 +276,16 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, plots: dict[str
         "stream sends its next request when the previous one ends). Simulated engine: a fixed time per step "
         "(in its label), one token per running sequence. "
         "Server CPU = utime+stime of the server's whole process tree (/proc/PID/stat) per generated token; "
-        "for the in-process row it includes the client's own work." + _gpu_note(args),
+        "for the in-process row it includes the client's own work; \"of which frontend\": all but the engine "
+        "core process." + _gpu_note(args),
         f"### Targets at {top} streams", report.targets(rows, concurrency=top, step_ms=args.step_ms),
         f"TTFT at {top} streams, the first wave (every stream's first request, all sent at once: one burst "
         "of prefills) and the requests after it (not targets; the targets above are on whole runs):",
         report.first_wave(rows, concurrency=top, step_ms=args.step_ms),
+        f"Server CPU per generated token at {top} streams, frontend process(es) vs engine core process (the "
+        "core names its process: server/engine_server/proc_title.py), on each server's best round, then the "
+        "range over its rounds:",
+        report.cpu_split(rows, concurrency=top, step_ms=args.step_ms),
     ]
     for engine in args.engines:
         label = report.engine_label(engine, args.step_ms)

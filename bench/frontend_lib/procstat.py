@@ -32,11 +32,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def tree_cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of the given processes (pass `descendants(root)` once, while they all live)."""
-    total = 0
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """utime + stime of each of the given processes that still lives (pass `descendants(root)` once, while
+    they all live)."""
+    found = {}
     for pid in pids:
         fields = _stat_fields(pid)
         if fields is not None:
-            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / _TICKS
+            found[pid] = (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (fields 14, 15 of stat)
+    return found
+
+
+def tree_cpu_seconds(pids: list[int]) -> float:
+    return sum(cpu_seconds(pids).values())
+
+
+def process_name(pid: int) -> str:
+    """The kernel's name of the process (/proc/PID/comm; the server's processes set theirs: proc_title.py)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

@@ -29,6 +29,7 @@ COLUMNS = (
     ("ITL mean ms", "itl_mean_ms", "{:.1f}"), ("ITL p99", "itl_p99_ms", "{:.1f}"),
     ("msgs/req", "messages_per_request", "{:.0f}"),
     ("server CPU us/token", "server_cpu_us_per_token", "{:.1f}"),
+    ("of which frontend", "frontend_cpu_us_per_token", "{:.1f}"),
     ("server CPU %", "server_cpu_pct", "{:.0f}"),
     ("loadgen CPU %", "client_cpu_pct", "{:.0f}"),
 )
@@ -66,6 +67,8 @@ CHECKS = (
     ("tokens/s vs in-process", "inproc", "tokens_per_s", ">=", 0.9),
 )
 TARGET_KEYS = tuple(dict.fromkeys(check[2] for check in CHECKS))
+CPU_KEYS = ("frontend_cpu_us_per_token", "core_cpu_us_per_token")
+ROUND_KEYS = TARGET_KEYS + CPU_KEYS  # what each round keeps (`rounds` in a row)
 
 
 def _met(ratio: float, op: str, bound: float) -> bool:
@@ -132,6 +135,37 @@ def first_wave(rows: list[Row], *, concurrency: int, step_ms: float) -> str:
             if row is None or keys[0] not in row:
                 continue
             cells = [cell for key in keys for cell in _ms_and_ratio(row, ref, key)]
+            lines.append(f"| {engine_label(engine, step_ms)} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _spread(row: Row, key: str) -> str:
+    values = [r[key] for r in row.get("rounds", []) if key in r and not math.isnan(r[key])]
+    return f"{min(values):.1f}-{max(values):.1f}" if values else "-"
+
+
+def cpu_split(rows: list[Row], *, concurrency: int, step_ms: float) -> str:
+    """Server CPU per generated token at `concurrency` streams, split into the frontend process(es) and the
+    engine core process, the frontend's ratio to the in-process row's (its "frontend": AsyncEngine and the
+    client loop in the client's process) and to the SSE server's, then each over the rounds: the targets
+    compare throughput, which on one shared core moves with the engine core's CPU cost as much as with the
+    frontend's."""
+    lines = ["| engine | server | server CPU us/token | frontend | core | frontend vs in-process "
+             "| frontend vs SSE | frontend by round | core by round |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    key = "frontend_cpu_us_per_token"
+    for engine in dict.fromkeys(row["engine"] for row in rows):
+        inproc = _find(rows, engine, "inproc", concurrency)
+        sse = _find(rows, engine, "sse", concurrency)
+        for server, label in SERVER_LABELS.items():
+            row = _find(rows, engine, server, concurrency)
+            if row is None or math.isnan(row.get(key, math.nan)):
+                continue
+            ratios = [f"{row[key] / ref[key]:.2f}" if ref is not None and ref.get(key) else "-"
+                      for ref in (inproc, sse)]
+            core = "core_cpu_us_per_token"
+            cells = [f"{row['server_cpu_us_per_token']:.1f}", f"{row[key]:.1f}", f"{row[core]:.1f}", *ratios,
+                     _spread(row, key), _spread(row, core)]
             lines.append(f"| {engine_label(engine, step_ms)} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

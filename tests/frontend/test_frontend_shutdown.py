@@ -39,6 +39,7 @@ async def test_idle_engine_shuts_down_fast_and_core_exits_cleanly(
     assert core_pid is not None
     process = engine._client._process  # the exit code is only visible to the parent's Process object
     assert process is not None
+    assert Path(f"/proc/{core_pid}/comm").read_text() == "engine-core\n"  # named: see proc_title.py
     if "OMP_WAIT_POLICY" not in os.environ:  # the core's defaults apply to the shared core too
         assert b"OMP_WAIT_POLICY=PASSIVE" in Path(f"/proc/{core_pid}/environ").read_bytes().split(b"\0")
     try:

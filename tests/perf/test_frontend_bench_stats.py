@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from frontend_lib import report
@@ -85,3 +86,28 @@ def test_rows_without_rounds_leave_the_column_empty() -> None:
         del row["rounds"]
     lines = report.targets(rows, concurrency=256, step_ms=1.0).splitlines()
     assert [line.strip("| ").split(" | ")[8] for line in lines[2:]] == ["-", "-", "-"]
+
+
+def _cpu_row(server: str, rounds: list[tuple[float, float]]) -> dict[str, Any]:
+    """A best-of-rounds row (the first round) with (frontend, core) CPU us per token for each round."""
+    every = [{"frontend_cpu_us_per_token": f, "core_cpu_us_per_token": c} for f, c in rounds]
+    return {"engine": "tiny", "server": server, "concurrency": 256, **every[0],
+            "server_cpu_us_per_token": sum(rounds[0]), "rounds": every}
+
+
+def test_cpu_split_table_compares_frontends_and_shows_the_core_spread() -> None:
+    rows = [
+        _cpu_row("grpc", [(12.0, 60.0), (13.0, 52.0)]),
+        _cpu_row("sse", [(36.0, 58.0), (35.0, 63.0)]),
+        _cpu_row("inproc", [(10.0, 55.0), (11.0, 64.0)]),
+        # a server whose tree had no named core process: no split, no line
+        {"engine": "tiny", "server": "grpc-ids", "concurrency": 256, "server_cpu_us_per_token": 70.0,
+         "frontend_cpu_us_per_token": math.nan, "core_cpu_us_per_token": math.nan},
+    ]
+    lines = report.cpu_split(rows, concurrency=256, step_ms=1.0).splitlines()
+    cells = {line.strip("| ").split(" | ")[1]: line.strip("| ").split(" | ")[2:] for line in lines[2:]}
+    # server CPU, frontend, core, frontend vs in-process, vs SSE, frontend by round, core by round
+    assert cells["engine-server (gRPC)"] == ["72.0", "12.0", "60.0", "1.20", "0.33", "12.0-13.0", "52.0-60.0"]
+    assert cells["HTTP/SSE reference"] == ["94.0", "36.0", "58.0", "3.60", "1.00", "35.0-36.0", "58.0-63.0"]
+    assert cells["in-process"] == ["65.0", "10.0", "55.0", "1.00", "0.28", "10.0-11.0", "55.0-64.0"]
+    assert len(cells) == 3

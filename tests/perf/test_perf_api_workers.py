@@ -60,6 +60,18 @@ def _socket_owner(channel: Channel) -> int:
     raise AssertionError("no process owns the server end of the connection")
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""  # exited meanwhile
+
+
+def _descendants(root: int) -> list[int]:
+    children = Path(f"/proc/{root}/task/{root}/children").read_text().split()
+    return [int(pid) for child in children for pid in (child, *map(str, _descendants(int(child))))]
+
+
 async def _tokens(stub: EngineServiceStub, request_id: str, *, max_tokens: int) -> list[int]:
     async with stub.Generate.open(timeout=TIMEOUT) as stream:
         await stream.send_message(_request(request_id, max_tokens=max_tokens), end=True)
@@ -111,6 +123,9 @@ async def test_two_frontends_one_engine(server: RunningServer) -> None:
     # 1) A connection to each frontend; the same greedy request on each gives the same ids.
     async with asyncio.timeout(TIMEOUT * 2), _each_frontend(server.port) as (channels, _spare):
         assert server.process.pid in channels  # the primary is one of them
+        # The worker and the core name themselves (ps, top, the frontend benchmark's CPU split).
+        titles = {_comm(pid) for pid in _descendants(server.process.pid)}
+        assert {"engine-api-1", "engine-core"} <= titles, titles
         stubs = [EngineServiceStub(channel) for channel in channels.values()]
         first, second = [await _tokens(stub, "same-id", max_tokens=6) for stub in stubs]
         assert first == second

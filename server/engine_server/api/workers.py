@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from engine_server.api.stream_limit import SharedStreamLimitFile
 from engine_server.api.worker_metrics import WorkerScraper, answer_scrapes, scrape_all
 from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
+from engine_server.proc_title import api_worker, set_process_title
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -157,6 +158,7 @@ def scale_out_starter(
 
 def worker_main(spec: WorkerSpec, core_conn: Connection, status: Connection) -> None:
     """Entry point of a worker process."""
+    set_process_title(api_worker(spec.index))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the primary stops us
     logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [worker {spec.index}] %(name)s: %(message)s")

@@ -39,6 +39,7 @@ from engine_server.frontend.messages import (
     StepOutput,
 )
 from engine_server.gc_policy import freeze_startup_heap
+from engine_server.proc_title import ENGINE_CORE, set_process_title
 
 if TYPE_CHECKING:
     from engine_server.engine.config import EngineConfig
@@ -73,6 +74,7 @@ def default_engine_factory(config: EngineConfig) -> EngineCore:
 
 def run_core_process(conn: Connection, config: EngineConfig, engine_factory: EngineFactory) -> None:
     """Entry point of the core's own process."""
+    set_process_title(ENGINE_CORE)
     # NOTE: Ctrl-C reaches the whole process group; the server decides how to stop (drain, then tell us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     run_core(conn, config, engine_factory, own_process=True)

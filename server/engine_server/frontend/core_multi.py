@@ -45,6 +45,7 @@ from engine_server.frontend.messages import (
     StepOutput,
 )
 from engine_server.gc_policy import freeze_startup_heap
+from engine_server.proc_title import ENGINE_CORE, set_process_title
 
 if TYPE_CHECKING:
     from engine_server.engine.config import EngineConfig
@@ -57,6 +58,7 @@ def run_multi_core_process(
     conns: list[Connection], config: EngineConfig, engine_factory: EngineFactory
 ) -> None:
     """Entry point of the shared core's process; conns[0] belongs to the primary frontend."""
+    set_process_title(ENGINE_CORE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the primary decides how to stop
     try:
         try:
