@@ -140,6 +140,7 @@ class FakeEngine:
         )
         self.tokenizer = FakeTokenizer()
         self.state = EngineState.SERVING
+        self.core_pid: int | None = None  # no core process: in this one
         self.gate = asyncio.Event()
         self.gate.set()
         self.fail_with: Exception | None = None

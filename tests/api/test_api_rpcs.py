@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -11,6 +13,7 @@ from apiutil import CALL_TIMEOUT_S, completion_ids, greedy_request
 from engine_proto.engine.v1 import embed_pb2, generate_pb2, info_pb2, tokenize_pb2
 from engine_proto.engine.v1 import engine_service_pb2_grpc as grpcio_stubs
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
+from prometheus_client.parser import text_string_to_metric_families
 from serverproc import RunningServer
 
 TEXT = "héllo wörld, 日本語 text"  # multi-byte characters: offsets count code points, not bytes
@@ -132,3 +135,34 @@ async def test_metrics_endpoint(stub: EngineServiceStub, server: RunningServer) 
         assert name in body, name
     generated = next(line for line in body.splitlines() if line.startswith("engine_generated_tokens_total"))
     assert float(generated.split()[-1]) >= 4
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _core_pid(server_pid: int) -> int:
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    named = [int(pid) for pid in children if Path(f"/proc/{pid}/comm").read_text().strip() == "engine-core"]
+    assert len(named) == 1, named
+    return named[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+async def test_metrics_report_the_frontend_and_the_engine_core_process_apart(server: RunningServer) -> None:
+    """process_* is the frontend's own process, engine_core_process_* the core's: each reads between its
+    process's CPU time just before and just after the scrape (the core's would not, were it the frontend's
+    own figure or the whole tree's)."""
+    assert server.metrics_port is not None
+    frontend, core = server.process.pid, _core_pid(server.process.pid)
+    before = {frontend: _cpu_seconds(frontend), core: _cpu_seconds(core)}
+    body = await asyncio.to_thread(_fetch, f"http://127.0.0.1:{server.metrics_port}/metrics")
+    after = {frontend: _cpu_seconds(frontend), core: _cpu_seconds(core)}
+    values = {sample.name: sample.value for family in text_string_to_metric_families(body)
+              for sample in family.samples}
+    for name, pid in (("process_cpu_seconds_total", frontend),
+                      ("engine_core_process_cpu_seconds_total", core)):
+        assert before[pid] <= values[name] <= after[pid], (name, before[pid], values[name], after[pid])
+    assert values["engine_core_process_resident_memory_bytes"] > 0
+    assert values["process_resident_memory_bytes"] > 0

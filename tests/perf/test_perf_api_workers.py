@@ -67,6 +67,11 @@ def _comm(pid: int) -> str:
         return ""  # exited meanwhile
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def _descendants(root: int) -> list[int]:
     children = Path(f"/proc/{root}/task/{root}/children").read_text().split()
     return [int(pid) for child in children for pid in (child, *map(str, _descendants(int(child))))]
@@ -211,6 +216,9 @@ async def test_metrics_count_the_requests_of_every_frontend(server: RunningServe
             for index, stub in enumerate(stubs):
                 assert len(await _tokens(stub, f"m-{round_index}-{index}", max_tokens=3)) == 3
                 num_requests += 1
+        frontends = [pid for pid in _descendants(server.process.pid) if _comm(pid) == "engine-api-1"]
+        frontends.append(server.process.pid)
+        frontend_cpu = sum(map(_cpu_seconds, frontends))
         after = await asyncio.to_thread(_scrape, server)
 
     def delta(name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
@@ -225,6 +233,11 @@ async def test_metrics_count_the_requests_of_every_frontend(server: RunningServe
     assert all(len(values) == 1 for values in after.values())
     assert ("engine_num_running_requests", ()) in after
     assert ("engine_kv_cache_usage_ratio", ()) in after
+    # The frontends' CPU is summed (the primary's own alone is less than both frontends' before the scrape);
+    # the core's comes from the primary, which started it.
+    assert len(frontends) == 2
+    assert after[("process_cpu_seconds_total", ())][0] >= frontend_cpu
+    assert after[("engine_core_process_cpu_seconds_total", ())][0] > 0
 
 
 async def _open_endless(stub: EngineServiceStub, request_id: str) -> Any:

@@ -3,19 +3,33 @@
 Requests by RPC and status come from grpclib's RecvRequest event (every service, including health and
 reflection); latency histograms and token counters from the Generate handler; load gauges are read at scrape
 time. With --api-workers the primary's endpoint adds in every worker's counters (api/worker_metrics.py).
+
+CPU and memory of the server's processes, read from /proc at scrape time (prometheus_client's
+ProcessCollector): the frontend's under the standard `process_*` names, the engine core process's as
+`engine_core_process_*`. Side by side they answer where a busy server spends its CPU: in the frontend
+(HTTP/2, conversion, detokenizing; `--api-workers` adds frontends) or in the engine (a faster device or model
+setting). With --api-workers, `process_cpu_seconds_total` sums every frontend process (a counter); the
+gauges (memory, file descriptors) are the primary's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from grpclib.const import Status
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 
 from engine_server.api.worker_metrics import ServerWideCollector
 
@@ -73,6 +87,7 @@ class ServerMetrics:
         self._waiting = Gauge("engine_num_waiting_requests", "requests waiting for the scheduler", registry=r)
         self._kv_usage = Gauge("engine_kv_cache_usage_ratio", "fraction of KV cache blocks in use",
                                registry=r)
+        ProcessCollector(registry=r)  # this frontend process: process_cpu_seconds_total, ...
         self._server: Any = None
         self._workers: Callable[[], list[list[Metric]]] | None = None
 
@@ -99,6 +114,10 @@ class ServerMetrics:
         self._waiting.set_function(field(lambda s: s.num_waiting))
         self._kv_usage.set_function(field(lambda s: s.kv_cache_usage))
 
+    def watch_core(self, pid: Callable[[], int | None]) -> None:
+        """engine_core_process_* from the engine core's process, while `pid()` names one."""
+        self.registry.register(_CoreProcessCollector(pid))
+
     def add_workers(self, scrape: Callable[[], list[list[Metric]]]) -> None:
         """--api-workers (primary): every scrape also reports what `scrape()` returns, one list per worker."""
         self._workers = scrape
@@ -122,6 +141,18 @@ class ServerMetrics:
         if self._server is not None:
             self._server.shutdown()
             self._server = None
+
+
+class _CoreProcessCollector(ProcessCollector):
+    """ProcessCollector of the engine core's process; nothing while there is none (not started yet, a core
+    thread in this process, or a frontend that did not start the core)."""
+
+    def __init__(self, pid: Callable[[], int | None]) -> None:
+        self._core_pid = pid
+        super().__init__(namespace="engine_core", pid=lambda: str(pid()), registry=None)
+
+    def collect(self) -> Iterable[Metric]:
+        return [] if self._core_pid() is None else super().collect()
 
 
 class _CallCounter:

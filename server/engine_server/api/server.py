@@ -114,6 +114,7 @@ class EngineServer:
             self.metrics.install(self._server)
             register_guard_metrics(self.metrics.registry, self._server.guard_stats)
             self.metrics.watch_load(lambda: self._engine.stats() if self._engine is not None else None)
+            self.metrics.watch_core(lambda: self._engine.core_pid if self._engine is not None else None)
         self.port = 0
         self.metrics_port: int | None = None
         self._monitor: asyncio.Task[None] | None = None
