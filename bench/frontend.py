@@ -77,6 +77,7 @@ class Server:
             common += ["--model", args.model, "--device", args.device,
                        "--kv-cache-memory", args.kv_cache_memory]
         ready = workdir / f"{kind}-{engine}.ready"
+        ready.unlink(missing_ok=True)  # (a workdir used before: an old file names an old port)
         self.ready = ready
         if kind.startswith("grpc"):  # "grpc", "grpc-ids" (the same server), or "grpcN": --api-workers N
             workers = int(kind[4:] or "1") if kind != "grpc-ids" else 1
@@ -192,8 +193,12 @@ def measure(server: Server, engine: str, concurrency: int, args: argparse.Namesp
     print(f"   {server.kind:<7} c={concurrency:<4} {row['tokens_per_s']:8.0f} tok/s  TTFT p99 "
           f"{row['ttft_p99_ms']:7.0f} ms  server {row['server_cpu_us_per_token']:6.1f} (frontend "
           f"{row['frontend_cpu_us_per_token']:.1f}) "
-          f"us/tok ({row['server_cpu_pct']:.0f}%)  loadgen {result['client_cpu_pct']:.0f}%", flush=True)
+          f"us/tok ({row['server_cpu_pct']:.0f}%)  loadgen {_pct(row['client_cpu_pct'])}", flush=True)
     return row
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}%"
 
 
 def run_all(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
