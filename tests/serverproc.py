@@ -64,6 +64,25 @@ def _command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "engine_server"]
 
 
+def process_name(pid: int) -> str:
+    """/proc/PID/comm: the server's engine core and api workers name themselves (proc_title.py)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""  # exited meanwhile
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _descendants(pid: int) -> list[int]:
+    children = [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [found for child in children for found in (child, *_descendants(child))]
+
+
 class RunningServer:
     def __init__(
         self, process: subprocess.Popen[bytes], *, port: int, workdir: Path, metrics_port: int | None = None
@@ -84,6 +103,10 @@ class RunningServer:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def pids_named(self, name: str) -> list[int]:
+        """The server's descendant processes of that name (Linux)."""
+        return [pid for pid in _descendants(self.process.pid) if process_name(pid) == name]
 
     def send_signal(self, signum: int) -> None:
         if self.process.poll() is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import urllib.request
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from engine_proto.engine.v1 import embed_pb2, generate_pb2, info_pb2, tokenize_p
 from engine_proto.engine.v1 import engine_service_pb2_grpc as grpcio_stubs
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from prometheus_client.parser import text_string_to_metric_families
-from serverproc import RunningServer
+from serverproc import RunningServer, cpu_seconds
 
 TEXT = "héllo wörld, 日本語 text"  # multi-byte characters: offsets count code points, not bytes
 
@@ -137,16 +136,7 @@ async def test_metrics_endpoint(stub: EngineServiceStub, server: RunningServer) 
     assert float(generated.split()[-1]) >= 4
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def _core_pid(server_pid: int) -> int:
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    named = [int(pid) for pid in children if Path(f"/proc/{pid}/comm").read_text().strip() == "engine-core"]
-    assert len(named) == 1, named
-    return named[0]
+EPSILON = 1e-6  # seconds: float rounding only (CPU time counts in clock ticks of 10 ms)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
@@ -155,14 +145,17 @@ async def test_metrics_report_the_frontend_and_the_engine_core_process_apart(ser
     process's CPU time just before and just after the scrape (the core's would not, were it the frontend's
     own figure or the whole tree's)."""
     assert server.metrics_port is not None
-    frontend, core = server.process.pid, _core_pid(server.process.pid)
-    before = {frontend: _cpu_seconds(frontend), core: _cpu_seconds(core)}
+    (core,) = server.pids_named("engine-core")
+    frontend = server.process.pid
+    before = {frontend: cpu_seconds(frontend), core: cpu_seconds(core)}
     body = await asyncio.to_thread(_fetch, f"http://127.0.0.1:{server.metrics_port}/metrics")
-    after = {frontend: _cpu_seconds(frontend), core: _cpu_seconds(core)}
+    after = {frontend: cpu_seconds(frontend), core: cpu_seconds(core)}
     values = {sample.name: sample.value for family in text_string_to_metric_families(body)
               for sample in family.samples}
     for name, pid in (("process_cpu_seconds_total", frontend),
                       ("engine_core_process_cpu_seconds_total", core)):
-        assert before[pid] <= values[name] <= after[pid], (name, before[pid], values[name], after[pid])
+        # (EPSILON: prometheus_client sums utime/ticks + stime/ticks, here (utime + stime)/ticks)
+        low, high = before[pid] - EPSILON, after[pid] + EPSILON
+        assert low <= values[name] <= high, (name, before, values[name], after)
     assert values["engine_core_process_resident_memory_bytes"] > 0
     assert values["process_resident_memory_bytes"] > 0
