@@ -3,6 +3,7 @@ same refusal at the limit) and still drops closed streams from the table."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Any
 
@@ -10,8 +11,10 @@ import pytest
 from engine_server.api.h2_streams import CachingDecoder, LazyCountingH2Connection, use_lazy_counting
 from h2.config import H2Configuration
 from h2.connection import H2Connection
+from h2.events import DataReceived
 from h2.exceptions import ProtocolError, TooManyStreamsError
 from h2.settings import SettingCodes
+from h2.stream import StreamState
 from hpack import Decoder, Encoder, NeverIndexedHeaderTuple, OversizedHeaderListError
 from hyperframe.frame import Frame
 
@@ -293,3 +296,156 @@ def test_plain_frames_are_built_as_hyperframe_parses_them() -> None:
         max_size = rng.choice([16384, 30])
         expected = _frames_and_errors(FrameBuffer, chunks, max_size)
         assert _frames_and_errors(_QuietFrameBuffer, chunks, max_size) == expected, trial
+
+
+# --- whole calls received past h2's frame machinery -------------------------------------------------------
+
+GRPC_REQUEST = [*REQUEST, ("content-type", "application/grpc"), ("te", "trailers")]
+
+
+def _event_view(event: Any) -> tuple[Any, ...]:
+    ended = getattr(event, "stream_ended", None)
+    return (type(event).__name__, getattr(event, "stream_id", None), getattr(event, "headers", None),
+            bytes(getattr(event, "data", b"")), getattr(event, "flow_controlled_length", None),
+            None if ended is None else (type(ended).__name__, ended.stream_id))
+
+
+def _books(server: H2Connection) -> tuple[Any, ...]:
+    """What h2 keeps of the calls: every stream not closed (its state machine and windows), the connection's.
+
+    NOTE: not `open_inbound_streams` or closed streams: the lazy count leaves closed streams in the table
+    longer than h2 (see above), which is not what these tests are about."""
+    streams = {}
+    for stream_id, stream in sorted(server.streams.items()):
+        if stream.closed:
+            continue
+        machine = stream.state_machine
+        streams[stream_id] = (
+            machine.state, machine.client, machine.headers_received, machine.trailers_received,
+            machine.headers_sent, machine.stream_closed_by,
+            stream._inbound_window_manager.current_window_size, stream.outbound_flow_control_window,
+            stream._expected_content_length, stream._actual_content_length, stream.max_outbound_frame_size)
+    return (server.state_machine.state, server.highest_inbound_stream_id,
+            server._inbound_flow_control_window_manager.current_window_size, streams)
+
+
+def _calls(seed: int, length: int) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    kinds = ["call"] * 12 + ["batch", "split", "content-length", "no-data-end", "answer", "answer", "ping",
+                             "reset", "window", "new-header", "end-in-headers"]
+    return [(rng.choice(kinds), rng.randrange(1 << 16)) for _ in range(length)]
+
+
+def _receive_calls(script: list[tuple[str, int]], *, lean: bool, limit: int) -> tuple[list[Any], int]:
+    """The script's client traffic into a server connection (ours when `lean`), logging its events, the bytes
+    it answers and its books after each read; and how many calls took the lean path."""
+    client, server = _pair(lazy=lean, limit=limit)
+    client.remote_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS].append(2**31 - 1)
+    client.remote_settings.acknowledge()
+    taken = [0]
+    if lean:
+        receive_request = server._receive_request  # type: ignore[attr-defined]
+
+        def counting(data: bytes, offset: int, events: list[Any]) -> int:
+            found: int = receive_request(data, offset, events)
+            taken[0] += found > 0
+            return found
+
+        server._receive_request = counting  # type: ignore[attr-defined]
+    log: list[Any] = []
+    for action, value in script:
+        body = bytes(value % 700)
+        headers = GRPC_REQUEST
+        reads: list[bytes] = []
+        if action in ("call", "batch", "split", "content-length", "wrong-length", "big", "new-header",
+                      "end-in-headers"):
+            count = 1 + value % 5 if action == "batch" else 1
+            if action in ("content-length", "wrong-length"):
+                length = len(body) + (action == "wrong-length")
+                headers = [*GRPC_REQUEST, ("content-length", str(length))]
+            elif action == "new-header":
+                headers = [*GRPC_REQUEST, ("x-call", str(value))]  # a new value: the HPACK table changes
+            elif action == "big":
+                body = bytes(70_000)  # past the 65,535-byte windows: h2 refuses it
+            for _ in range(count):
+                stream_id = client.get_next_available_stream_id()
+                client.send_headers(stream_id, headers, end_stream=action == "end-in-headers")
+                if action != "end-in-headers":
+                    client.max_outbound_frame_size = 1 << 20  # (let the client write a frame too large)
+                    client.outbound_flow_control_window = 1 << 30
+                    client.streams[stream_id].outbound_flow_control_window = 1 << 30
+                    client.send_data(stream_id, body, end_stream=True)
+            data = client.data_to_send()
+            reads = [data[:value % len(data)], data[value % len(data):]] if action == "split" else [data]
+        elif action == "no-data-end":  # HEADERS, then DATA without END_STREAM (a streaming request)
+            stream_id = client.get_next_available_stream_id()
+            client.send_headers(stream_id, GRPC_REQUEST)
+            client.send_data(stream_id, body)
+            reads = [client.data_to_send()]
+        elif action == "answer":  # the server answers and ends one of its half-closed streams
+            for stream_id, stream in sorted(server.streams.items()):
+                half_closed = stream.state_machine.state == StreamState.HALF_CLOSED_REMOTE
+                if half_closed and stream_id % 7 != value % 7:
+                    server.send_headers(stream_id, RESPONSE, end_stream=True)
+                    break
+        elif action == "ping":
+            client.ping(value.to_bytes(8, "big"))
+            reads = [client.data_to_send()]
+        elif action == "reset":
+            open_ids = [sid for sid, stream in client.streams.items() if stream.open]
+            if open_ids:
+                client.reset_stream(open_ids[value % len(open_ids)])
+                reads = [client.data_to_send()]
+        elif action == "window":
+            client.increment_flow_control_window(1 + value)
+            reads = [client.data_to_send()]
+        elif action == "narrow":  # new streams get a 100-byte window (the client acknowledges it first)
+            server.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 100})
+        for read in reads:
+            try:
+                events = server.receive_data(read)
+            except ProtocolError as exc:
+                log.extend([repr(exc), server.data_to_send(), _books(server)])  # (h2 queued a GOAWAY)
+                return log, taken[0]
+            log.append([_event_view(event) for event in events])
+            for event in events:
+                if isinstance(event, DataReceived):
+                    server.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        reply = server.data_to_send()
+        log.append(reply)
+        log.append(_books(server))
+        with contextlib.suppress(ProtocolError):
+            client.receive_data(reply)
+    return log, taken[0]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_calls_received_past_h2_give_h2s_events_frames_and_books(seed: int) -> None:
+    script = _calls(seed, 600)
+    lean_log, num_lean = _receive_calls(script, lean=True, limit=10_000)
+    plain_log, num_plain = _receive_calls(script, lean=False, limit=10_000)
+    assert num_plain == 0
+    assert num_lean > 200  # most calls took the lean path (after the first: HPACK indexes the headers)
+    assert len(lean_log) == len(plain_log)
+    for step, (lean, plain) in enumerate(zip(lean_log, plain_log, strict=True)):
+        assert lean == plain, f"step {step}"
+
+
+@pytest.mark.parametrize("fatal", [[("big", 10)], [("narrow", 0), ("call", 10), ("call", 500)],
+                                   [("wrong-length", 10)]])
+def test_a_call_h2_refuses_is_refused_the_same(fatal: list[tuple[str, int]]) -> None:
+    """A frame past the frame size and windows (70,000 bytes), a body past a stream's window (500 bytes into
+    100), a body unlike its content-length: h2's error, after calls taken lean."""
+    script = [("call", 10)] * 5 + fatal
+    lean_log, num_lean = _receive_calls(script, lean=True, limit=LIMIT)
+    assert lean_log == _receive_calls(script, lean=False, limit=LIMIT)[0]
+    assert "Error" in lean_log[-3]
+    assert num_lean >= 3
+
+
+def test_a_call_past_the_stream_limit_is_refused_as_h2_refuses_it() -> None:
+    script = [("call", 10)] * (LIMIT + 2)
+    lean_log, num_lean = _receive_calls(script, lean=True, limit=LIMIT)
+    assert lean_log == _receive_calls(script, lean=False, limit=LIMIT)[0]
+    assert "TooManyStreamsError" in lean_log[-3]
+    assert num_lean >= LIMIT - 2
