@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import struct
 from typing import Any
 
 import pytest
@@ -332,26 +333,27 @@ def _books(server: H2Connection) -> tuple[Any, ...]:
 def _calls(seed: int, length: int) -> list[tuple[str, int]]:
     rng = random.Random(seed)
     kinds = ["call"] * 12 + ["batch", "split", "content-length", "no-data-end", "answer", "answer", "ping",
-                             "reset", "window", "new-header", "end-in-headers"]
+                             "reset", "window", "new-header", "end-in-headers", "apart", "apart", "more-data",
+                             "padded", "priority", "stray-data"]
     return [(rng.choice(kinds), rng.randrange(1 << 16)) for _ in range(length)]
 
 
 def _receive_calls(script: list[tuple[str, int]], *, lean: bool, limit: int) -> tuple[list[Any], int]:
     """The script's client traffic into a server connection (ours when `lean`), logging its events, the bytes
-    it answers and its books after each read; and how many calls took the lean path."""
+    it answers and its books after each read; and how many frames took the lean path."""
     client, server = _pair(lazy=lean, limit=limit)
     client.remote_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS].append(2**31 - 1)
     client.remote_settings.acknowledge()
     taken = [0]
     if lean:
-        receive_request = server._receive_request  # type: ignore[attr-defined]
+        receive_frame = server._receive_plain_frame  # type: ignore[attr-defined]
 
         def counting(data: bytes, offset: int, events: list[Any]) -> int:
-            found: int = receive_request(data, offset, events)
+            found: int = receive_frame(data, offset, events)
             taken[0] += found > 0
             return found
 
-        server._receive_request = counting  # type: ignore[attr-defined]
+        server._receive_plain_frame = counting  # type: ignore[attr-defined]
     log: list[Any] = []
     for action, value in script:
         body = bytes(value % 700)
@@ -367,21 +369,43 @@ def _receive_calls(script: list[tuple[str, int]], *, lean: bool, limit: int) -> 
                 headers = [*GRPC_REQUEST, ("x-call", str(value))]  # a new value: the HPACK table changes
             elif action == "big":
                 body = bytes(70_000)  # past the 65,535-byte windows: h2 refuses it
+            # (a content-length's HEADERS and DATA in reads of their own when `value` is odd: h2 then counts a
+            # body on a stream it opened itself)
+            apart = action in ("content-length", "wrong-length") and value % 2 == 1
             for _ in range(count):
                 stream_id = client.get_next_available_stream_id()
                 client.send_headers(stream_id, headers, end_stream=action == "end-in-headers")
+                if apart:
+                    reads.append(client.data_to_send())
                 if action != "end-in-headers":
                     client.max_outbound_frame_size = 1 << 20  # (let the client write a frame too large)
                     client.outbound_flow_control_window = 1 << 30
                     client.streams[stream_id].outbound_flow_control_window = 1 << 30
                     client.send_data(stream_id, body, end_stream=True)
             data = client.data_to_send()
-            reads = [data[:value % len(data)], data[value % len(data):]] if action == "split" else [data]
-        elif action == "no-data-end":  # HEADERS, then DATA without END_STREAM (a streaming request)
+            reads += [data[:value % len(data)], data[value % len(data):]] if action == "split" else [data]
+        elif action in ("no-data-end", "apart", "padded", "priority"):
+            # HEADERS, then DATA: without END_STREAM (a streaming request, more may follow), in reads of their
+            # own, padded, or HEADERS with a priority
             stream_id = client.get_next_available_stream_id()
-            client.send_headers(stream_id, GRPC_REQUEST)
-            client.send_data(stream_id, body)
-            reads = [client.data_to_send()]
+            weight = value % 256 if action == "priority" else None
+            client.send_headers(stream_id, GRPC_REQUEST, priority_weight=weight)
+            headers_frame = client.data_to_send()
+            client.send_data(stream_id, body, end_stream=action != "no-data-end",
+                             pad_length=value % 200 if action == "padded" else None)
+            data_frame = client.data_to_send()
+            reads = [headers_frame, data_frame] if action == "apart" else [headers_frame + data_frame]
+        elif action == "more-data":  # more of an open request stream's body, its end or not
+            open_ids = [sid for sid, stream in sorted(client.streams.items())
+                        if stream.state_machine.state == StreamState.OPEN]
+            if open_ids:
+                client.send_data(open_ids[value % len(open_ids)], body, end_stream=value % 3 == 0)
+                reads = [client.data_to_send()]
+        elif action == "stray-data":  # a DATA frame on a stream the client has ended (h2 resets the stream)
+            ends = (StreamState.HALF_CLOSED_LOCAL, StreamState.CLOSED)
+            ended = [sid for sid, stream in client.streams.items() if stream.state_machine.state in ends]
+            if ended:
+                reads = [struct.pack(">BHBBL", 0, 3, 0, 0, ended[value % len(ended)]) + b"abc"]
         elif action == "answer":  # the server answers and ends one of its half-closed streams
             for stream_id, stream in sorted(server.streams.items()):
                 half_closed = stream.state_machine.state == StreamState.HALF_CLOSED_REMOTE
@@ -432,10 +456,11 @@ def test_calls_received_past_h2_give_h2s_events_frames_and_books(seed: int) -> N
 
 
 @pytest.mark.parametrize("fatal", [[("big", 10)], [("narrow", 0), ("call", 10), ("call", 500)],
-                                   [("wrong-length", 10)]])
+                                   [("wrong-length", 10)], [("wrong-length", 11)]])
 def test_a_call_h2_refuses_is_refused_the_same(fatal: list[tuple[str, int]]) -> None:
     """A frame past the frame size and windows (70,000 bytes), a body past a stream's window (500 bytes into
-    100), a body unlike its content-length: h2's error, after calls taken lean."""
+    100), a body unlike its content-length (its HEADERS and DATA in one read, or in two): h2's error, after
+    calls taken lean."""
     script = [("call", 10)] * 5 + fatal
     lean_log, num_lean = _receive_calls(script, lean=True, limit=LIMIT)
     assert lean_log == _receive_calls(script, lean=False, limit=LIMIT)[0]

@@ -24,13 +24,14 @@ nothing else; h2's dispatch table learns them). The two frames of every call (a 
 a DATA frame), neither padded nor with a priority, are built directly rather than through hyperframe's generic
 parse (a flag set per frame, a Flag walk, memoryview slicing): the same objects, ~3 us less per call.
 
-Whole calls: once both caches above know a client's header block, receiving its commonest call (HEADERS with
-that block opening a new stream, then one DATA frame ending it, both in one read) needs nothing from h2 but
-its books: the connection does it directly (`_receive_request`), giving h2's events and leaving h2's stream,
-state machine and flow-control windows as h2 would; anything else (another frame, a flag, a content-length, a
-window or stream limit, a block not seen before) goes to h2, errors included. h2 took ~60 us per such call on
-a busy 2-core machine, this ~28 (tests/unit/test_h2_streams.py compares events, frames and books with h2's
-over random traffic).
+Request frames: once both caches above know a client's header block, the frames of its calls need nothing from
+h2 but its books: a HEADERS frame (no padding, priority or CONTINUATION) opening a new stream with that block,
+a DATA frame (no padding) on an open stream within both flow-control windows. The connection receives those
+directly (`_receive_plain_frame`), giving h2's events and leaving h2's stream, state machine and flow-control
+windows as h2 would; anything else (another frame or flag, a content-length, a window or stream limit, a block
+not seen before, a frame cut between reads) goes to h2, errors included. h2 took ~60 us for a call's HEADERS
+and DATA on a busy 2-core machine, this ~28 (tests/unit/test_h2_streams.py compares events, frames and books
+with h2's over random traffic).
 """
 
 from __future__ import annotations
@@ -256,14 +257,14 @@ class LazyCountingH2Connection(H2Connection):
         return count
 
     def receive_data(self, data: Buffer) -> list[Event]:
-        """h2's receive_data, with the calls at the front of `data` that need nothing from h2 beyond its books
-        received here (see `_receive_request`), and the rest by h2."""
-        if type(data) is not bytes or not self._receives_requests():
+        """h2's receive_data, with the frames at the front of `data` that need nothing from h2 beyond its
+        books received here (see `_receive_plain_frame`), and the rest by h2."""
+        if type(data) is not bytes or not self._receives_plain_frames():
             return super().receive_data(data)
         events: list[Event] = []
         offset, size = 0, len(data)
         while offset < size:
-            taken = self._receive_request(data, offset, events)
+            taken = self._receive_plain_frame(data, offset, events)
             if not taken:
                 break
             offset += taken
@@ -273,67 +274,88 @@ class LazyCountingH2Connection(H2Connection):
             events.extend(super().receive_data(data[offset:]))
         return events
 
-    def _receives_requests(self) -> bool:
+    def _receives_plain_frames(self) -> bool:
         buffer = self.incoming_buffer
         return (_FAST_RECEIVE and self._processed is not None and type(self.decoder) is CachingDecoder
                 and not buffer._data and not buffer._headers_buffer and not buffer._preamble_len
                 and self.state_machine.state is ConnectionState.SERVER_OPEN)
 
-    def _receive_request(self, data: bytes, offset: int, events: list[Event]) -> int:
-        """A whole call at `offset`: HEADERS (one frame, END_HEADERS only) opening a new stream, its header
-        block one that this connection decoded and validated before, then one DATA frame (END_STREAM only)
-        of the same stream within both flow-control windows. Adds the events h2 would give and keeps h2's
-        books as h2 would (the stream, its state, both windows); returns the bytes taken. 0: not such a call,
-        nothing changed (h2 then receives it, errors included).
+    def _receive_plain_frame(self, data: bytes, offset: int, events: list[Event]) -> int:
+        """The whole frame at `offset` if it is a request's HEADERS (one frame, no padding or priority)
+        opening a new stream with a header block this connection decoded and validated before, or a DATA frame
+        (no padding) on an open stream within both flow-control windows: adds the events h2 would give, keeps
+        h2's books as h2 would (the stream, its state, both windows) and returns the frame's size. 0: none of
+        those, nothing changed (h2 then receives it, errors included).
 
-        NOTE: h2 spent ~40 us on such a call here (frame objects, two state machines, header processing,
-        events); this is the common call of a gRPC client once its HPACK encoder has indexed its headers.
+        NOTE: h2 spent ~60 us on a call's two frames on a busy 2-core machine (frame objects, two state
+        machines, header processing, events), ~28 here: the frames of a gRPC client's calls once its HPACK
+        encoder has indexed its headers.
         """
-        if len(data) - offset < 18:
+        if len(data) - offset < 9:
             return 0
         high, low, kind, bits, stream_id = FRAME_HEADER.unpack_from(data, offset)
         length = (high << 16) | low
-        data_at = offset + 9 + length
-        if kind != HEADERS or bits != END_HEADERS or len(data) < data_at + 9:
-            return 0
-        high, low, kind, bits, data_stream_id = FRAME_HEADER.unpack_from(data, data_at)
-        body_len = (high << 16) | low
-        end = data_at + 9 + body_len
+        end = offset + 9 + length
         stream_id &= 0x7FFFFFFF
+        if end > len(data) or length > self.max_inbound_frame_size or not stream_id:
+            return 0
+        if kind == HEADERS and bits & ~END_STREAM == END_HEADERS:
+            return self._receive_request_headers(data, offset, end, stream_id, bits & END_STREAM, events)
+        if kind == DATA and not bits & ~END_STREAM:
+            return self._receive_request_data(data, offset, end, stream_id, bits & END_STREAM, events)
+        return 0
+
+    def _receive_request_headers(self, data: bytes, offset: int, end: int, stream_id: int, end_stream: int,
+                                 events: list[Event]) -> int:
         settings = self.local_settings
-        if (kind != DATA or bits != END_STREAM or data_stream_id & 0x7FFFFFFF != stream_id or end > len(data)
-                or max(length, body_len) > self.max_inbound_frame_size or not stream_id & 1
-                or stream_id <= self.highest_inbound_stream_id or stream_id in self.streams
-                or body_len > self._inbound_flow_control_window_manager.current_window_size
-                or body_len > settings.initial_window_size
+        if (not stream_id & 1 or stream_id <= self.highest_inbound_stream_id or stream_id in self.streams
                 or self.open_inbound_streams + 1 > settings.max_concurrent_streams):
             return 0
         decoder, processed = self.decoder, self._processed
-        assert isinstance(decoder, CachingDecoder)  # (_receives_requests)
+        assert isinstance(decoder, CachingDecoder)  # (_receives_plain_frames)
         assert processed is not None
-        raw = decoder.kept(data[offset + 9:data_at])
+        raw = decoder.kept(data[offset + 9:end])
         if raw is None or any(name in _NOT_PLAIN_REQUEST_HEADERS for name, _ in raw):
             return 0
         headers = processed.kept(raw, _REQUEST_FLAGS, self.config.header_encoding, self.config)
         if headers is None:
             return 0
-        # What h2's HEADERS and DATA frames would do: RECV_HEADERS (IDLE -> OPEN, `request_received`), then
-        # RECV_DATA and RECV_END_STREAM (OPEN -> HALF_CLOSED_REMOTE); the connection stays SERVER_OPEN.
-        stream = self._begin_new_stream(stream_id, AllowedStreamIDs.ODD)
-        machine = stream.state_machine
+        # What h2 does (the connection stays SERVER_OPEN): RECV_HEADERS, IDLE -> OPEN (`request_received`),
+        # then with END_STREAM, RECV_END_STREAM, OPEN -> HALF_CLOSED_REMOTE (`stream_half_closed`).
+        machine = self._begin_new_stream(stream_id, AllowedStreamIDs.ODD).state_machine
         machine.client = False
         machine.headers_received = True
-        machine.state = StreamState.HALF_CLOSED_REMOTE
-        self._inbound_flow_control_window_manager.window_consumed(body_len)
-        stream._inbound_window_manager.window_consumed(body_len)
-        stream._actual_content_length += body_len  # (counted with or without a content-length header)
-        ended = StreamEnded(stream_id=stream_id)
-        events.append(RequestReceived(stream_id=stream_id, headers=list(headers)))
-        events.append(DataReceived(stream_id=stream_id, data=data[data_at + 9:end],
-                                   flow_controlled_length=body_len, stream_ended=ended))
-        events.append(ended)
-        taken: int = end - offset
-        return taken
+        request = RequestReceived(stream_id=stream_id, headers=list(headers))
+        events.append(request)
+        if end_stream:
+            machine.state = StreamState.HALF_CLOSED_REMOTE
+            request.stream_ended = StreamEnded(stream_id=stream_id)
+            events.append(request.stream_ended)
+        else:
+            machine.state = StreamState.OPEN
+        return end - offset
+
+    def _receive_request_data(self, data: bytes, offset: int, end: int, stream_id: int, end_stream: int,
+                              events: list[Event]) -> int:
+        stream = self.streams.get(stream_id)
+        size = end - offset - 9
+        if (stream is None or stream.state_machine.state is not StreamState.OPEN
+                or stream._expected_content_length is not None
+                or size > self._inbound_flow_control_window_manager.current_window_size
+                or size > stream._inbound_window_manager.current_window_size):
+            return 0
+        # What h2 does: the connection's window, then RECV_DATA (`data_received`: OPEN stays OPEN) and the
+        # stream's window and body count, then with END_STREAM, OPEN -> HALF_CLOSED_REMOTE.
+        self._inbound_flow_control_window_manager.window_consumed(size)
+        stream._inbound_window_manager.window_consumed(size)
+        stream._actual_content_length += size
+        received = DataReceived(stream_id=stream_id, data=data[offset + 9:end], flow_controlled_length=size)
+        events.append(received)
+        if end_stream:
+            stream.state_machine.state = StreamState.HALF_CLOSED_REMOTE
+            received.stream_ended = StreamEnded(stream_id=stream_id)
+            events.append(received.stream_ended)
+        return end - offset
 
     def _begin_new_stream(self, stream_id: int, allowed_ids: AllowedStreamIDs) -> H2Stream:
         stream = super()._begin_new_stream(stream_id, allowed_ids)
