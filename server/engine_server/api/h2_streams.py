@@ -309,7 +309,7 @@ class LazyCountingH2Connection(H2Connection):
                                  events: list[Event]) -> int:
         settings = self.local_settings
         if (not stream_id & 1 or stream_id <= self.highest_inbound_stream_id or stream_id in self.streams
-                or self.open_inbound_streams + 1 > settings.max_concurrent_streams):
+                or self._open_streams(1) + 1 > settings.max_concurrent_streams):  # (open_inbound_streams)
             return 0
         decoder, processed = self.decoder, self._processed
         assert isinstance(decoder, CachingDecoder)  # (_receives_plain_frames)
