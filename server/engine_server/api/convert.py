@@ -112,10 +112,12 @@ _MAX_KEPT_PARAMS = 256
 _SCALAR_TYPES = frozenset({int, float, bool, str})
 
 
-def _sampling_params(msg: generate_pb2.GenerateRequest, *, vocab_size: int) -> SamplingParams:
+def _sampling_params(msg: generate_pb2.GenerateRequest, stopping: Sequence[tuple[Any, Any]], *,
+                     vocab_size: int) -> SamplingParams:
     # NOTE: ListFields() names only what the client set (one C call), where a HasField() per knob cost ~20 us
-    # per request; explicit presence is kept (an optional field set to 0 is listed).
-    sampling, stopping, output = msg.sampling.ListFields(), msg.stopping.ListFields(), msg.output.ListFields()
+    # per request; explicit presence is kept (an optional field set to 0 is listed). `stopping`: the
+    # request's msg.stopping.ListFields(), shared with _stop_strings.
+    sampling, output = msg.sampling.ListFields(), msg.output.ListFields()
     key = (vocab_size, *sampling, None, *stopping, None, *output)
     try:
         params = _KEPT_PARAMS.get(key)
@@ -163,8 +165,10 @@ def _new_sampling_params(sampling: Sequence[tuple[Any, Any]], stopping: Sequence
         raise _renamed(exc) from None
 
 
-def _stop_strings(stopping: generate_pb2.StoppingCriteria) -> tuple[str, ...]:
-    stops = tuple(stopping.stop)
+def _stop_strings(stopping: Sequence[tuple[Any, Any]]) -> tuple[str, ...]:
+    """The stop strings among the set fields of a StoppingCriteria (most requests have none: no container
+    is built for them)."""
+    stops: tuple[str, ...] = next((tuple(value) for field, value in stopping if field.name == "stop"), ())
     if len(stops) > MAX_STOP_STRINGS:
         raise RequestError("stopping.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
     for i, stop in enumerate(stops):
@@ -184,8 +188,9 @@ def to_generate_request(
     if model_info.task != "generate":
         raise RequestError("model", "the served model is an embedding model; use Embed")
     vocab_size = model_info.vocab_size
-    params = _sampling_params(msg, vocab_size=vocab_size)
-    stops = _stop_strings(msg.stopping)
+    stopping = msg.stopping.ListFields()
+    params = _sampling_params(msg, stopping, vocab_size=vocab_size)
+    stops = _stop_strings(stopping)
     prompt = _prompt_ids(msg, tokenizer, vocab_size)
     max_len = model_info.max_model_len
     if len(prompt) >= max_len:
