@@ -81,11 +81,13 @@ class PlainResponses:
     set once serializes ~2x faster than building a new message each time (1.8 -> 0.9 us here).
     """
 
-    __slots__ = ("_completion", "_message")
+    __slots__ = ("_completion", "_message", "_request_id")
 
     def __init__(self, request_id: str) -> None:
-        self._message = generate_pb2.GenerateResponse(request_id=request_id)
-        self._completion = self._message.completions.add()
+        # NOTE: the message is built at the first plain message: a short request may have none (~3 us saved)
+        self._request_id = request_id
+        self._message: generate_pb2.GenerateResponse | None = None
+        self._completion: generate_pb2.CompletionChunk | None = None
 
     def serialize(self, output: GenerateOutput, num_completion_tokens: list[int]) -> bytes | None:
         """`streaming_response(output, num_completion_tokens)`'s bytes (and count update) for a plain output;
@@ -101,10 +103,13 @@ class PlainResponses:
 
     def serialize_plain(self, token_ids: list[int], text: str) -> bytes:
         """The message of plain news of completion 0 (no finish or logprobs: outputs.PlainSink's)."""
-        completion = self._completion
+        message, completion = self._message, self._completion
+        if message is None or completion is None:
+            message = self._message = generate_pb2.GenerateResponse(request_id=self._request_id)
+            completion = self._completion = message.completions.add()
         completion.token_ids[:] = token_ids  # (one slice assignment: ~0.2 us less than del + extend)
         completion.text = text
-        payload: bytes = self._message.SerializeToString()
+        payload: bytes = message.SerializeToString()
         return payload
 
 
