@@ -37,6 +37,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
+from engine_server.proc_title import ENGINE_CORE  # noqa: E402
 from frontend_lib import report  # noqa: E402
 from frontend_lib.procstat import cpu_seconds, descendants, process_name  # noqa: E402
 
@@ -101,7 +102,7 @@ class Server:
         self.pids = descendants(self.process.pid)
         # NOTE: the engine core names its process (server/engine_server/proc_title.py); everything else in the
         # tree is frontend (for the in-process row: the client's process, AsyncEngine and the client loop)
-        self.core_pids = {pid for pid in self.pids if process_name(pid) == "engine-core"}
+        self.core_pids = {pid for pid in self.pids if process_name(pid) == ENGINE_CORE}
 
     def _wait_ready(self) -> int:
         deadline = time.monotonic() + READY_TIMEOUT_S
