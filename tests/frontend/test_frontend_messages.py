@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import pickle
 
-from engine_server.engine.types import CompletionDelta, EngineStats, FinishReason, TokenLogprob
-from engine_server.frontend.messages import ErrorInfo, StepOutput
+import pytest
+from engine_server.engine.types import (
+    CompletionDelta,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    RequestError,
+    SamplingParams,
+    TokenLogprob,
+)
+from engine_server.frontend.messages import AddCommand, ErrorInfo, StepOutput
 
 STATS = EngineStats(num_running=3, num_waiting=1, num_free_blocks=10, num_total_blocks=20)
 
@@ -41,3 +50,27 @@ def test_a_pickled_step_output_carries_every_delta_unchanged() -> None:
     assert sorted(rebuilt, key=lambda d: d.request_id) == _deltas()
     assert received.stats == STATS
     assert received.rejected == rejected
+
+
+def test_sampling_params_cross_the_pipe_equal_and_each_combination_is_built_once() -> None:
+    params = SamplingParams(temperature=0.5, top_k=7, max_tokens=9, stop_token_ids=(3, 4), seed=11,
+                            logit_bias=((5, 1.5),), logprobs=2)
+    received = pickle.loads(pickle.dumps(AddCommand(EngineRequest("r", (1, 2), params))))
+    assert received.request.params == params
+    same = SamplingParams(temperature=0.5, top_k=7, max_tokens=9, stop_token_ids=(3, 4), seed=11,
+                          logit_bias=((5, 1.5),), logprobs=2)
+    again = pickle.loads(pickle.dumps(same))
+    assert again is received.request.params  # the second request with the same knobs shares the first's
+    assert pickle.loads(pickle.dumps(SamplingParams(temperature=0.6))) != params
+
+
+def test_unpickled_sampling_params_are_still_checked_and_the_shared_ones_bounded() -> None:
+    from engine_server.engine import types
+
+    reduced, (values,) = SamplingParams(top_p=0.5).__reduce__()
+    bad = tuple(7.5 if value == 0.5 else value for value in values)
+    with pytest.raises(RequestError, match="top_p"):
+        reduced(bad)  # what unpickling calls: values no constructor accepted are not taken on trust
+    for seed in range(types._MAX_UNPICKLED_PARAMS + 10):
+        assert pickle.loads(pickle.dumps(SamplingParams(seed=seed))).seed == seed
+    assert len(types._UNPICKLED_PARAMS) <= types._MAX_UNPICKLED_PARAMS
