@@ -2,11 +2,9 @@
 # The GPU checks, as one script for a lent GPU machine (not CI): the engine's tests on CUDA, then the
 # frontend benchmark on a model of realistic shape (Llama-3.2-1B's, random bfloat16 weights, drawn on the GPU).
 #
-# The machine has python3 with torch/transformers but no network: the other wheels travel in .whl/ (see
-# /work/.library/device/README.md; for Python 3.12, manylinux x86_64, the versions .venv pins: protobuf,
-# grpclib, h2, hpack, hyperframe, multidict, smg-grpc-proto, httptools, starlette, uvicorn, pytest-asyncio),
-# our packages are used from the source tree. Every stage logs to $OUT and a failing stage does not stop the
-# next one.
+# The machine has python3 with torch/transformers but no network: the other wheels travel in .whl/, which
+# bench/gpu_wheels.sh fills here before the lease (carry [".whl"]); our packages are used from the source
+# tree. Every stage logs to $OUT and a failing stage does not stop the next one.
 #
 # Usage: OUT=/tmp/out bench/gpu_check.sh [tests] [steps] [bench]      (default: all three)
 #   steps: engine step times on $SPEC as shipped (Triton decode kernel, CUDA graphs for decode steps), without
