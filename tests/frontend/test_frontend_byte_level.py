@@ -20,6 +20,21 @@ def test_tables_for_the_tiny_models_byte_level_bpe(tokenizer: Tokenizer) -> None
     assert all(tables.keep_special[i] for i in special)
 
 
+def test_a_whole_tokens_text_is_its_decode_and_the_rest_are_left_to_the_decoder(tokenizer: Tokenizer) -> None:
+    tables = ByteLevelTables.build(tokenizer.backend)
+    assert tables is not None
+    for skip, texts in ((True, tables.skip_texts), (False, tables.keep_texts)):
+        assert len(texts) == len(tables.table(skip_special_tokens=skip))
+        for token_id, text in enumerate(texts):
+            decoded = tokenizer.decode([token_id], skip_special_tokens=skip)
+            if text is None:  # bytes of an incomplete character: decode alone shows U+FFFD
+                assert "\ufffd" in decoded, token_id
+            else:
+                assert text == decoded, token_id
+    assert None in tables.keep_texts  # the tiny vocabulary has tokens that are parts of characters
+    assert all(tables.skip_texts[i] == "" and tables.keep_texts[i] for i in tokenizer.special_ids)
+
+
 def test_ids_past_the_tokenizer_vocabulary_decode_to_nothing_as_decode_does(tokenizer: Tokenizer) -> None:
     assert tokenizer.byte_tables is not None
     ids = [300, tokenizer.vocab_size + 7, 301]

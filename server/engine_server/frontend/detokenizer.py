@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from engine_server.frontend.byte_level import ByteLevelDecoder, ByteLevelTables
+from engine_server.frontend.byte_level import ByteLevelTables
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def new_detokenizer(
     """A table lookup for byte-level BPE with verified tables (frontend/byte_level.py); otherwise
     tokenizers' DecodeStream (or the prefix-offset method where it is missing)."""
     if byte_tables is not None:
-        return ByteLevelDecoder(byte_tables.table(skip_special_tokens=skip_special_tokens))
+        return byte_tables.decoder(skip_special_tokens=skip_special_tokens)
     return IncrementalDetokenizer(backend, skip_special_tokens=skip_special_tokens)
 
 
