@@ -9,6 +9,9 @@
 # Usage: OUT=/tmp/out bench/gpu_check.sh [tests] [steps] [bench]      (default: all three)
 #   steps: engine step times on $SPEC as shipped (Triton decode kernel, CUDA graphs for decode steps), without
 #          the graphs (ENGINE_CUDA_GRAPHS=0) and without either (ENGINE_TRITON_DECODE=0)
+# A 15-minute lease holds the machine's start, the model's build and about two stages: the CUDA tests passed on
+# 2026-12-04; what no GPU has timed yet is `steps` (the Triton decode kernel, CUDA graphs), then `bench`
+# (CONCURRENCY=64,256 fits beside it).
 # Env: DEVICE (cuda), SPEC (bench-llama-1b), CONCURRENCY (1,16,64,256), SERVERS (grpc,grpc-ids,sse,inproc),
 #      SERVER_CORES (0,1), CLIENT_CORE (2), WHEELS (.whl)
 set -u
