@@ -35,3 +35,11 @@ def test_each_bad_id_is_named_with_its_position(bad: Any, message: str) -> None:
         validate_request(EngineRequest("r", (4, 5, bad, 6), SamplingParams()), INFO)
     with pytest.raises(RequestError, match="stop_token_ids"):
         validate_request(EngineRequest("r", (4,), SamplingParams(stop_token_ids=(1, bad))), INFO)
+
+
+def test_logit_bias_ids_are_checked_against_the_vocabulary_and_for_repeats() -> None:
+    validate_request(EngineRequest("r", (4,), SamplingParams(logit_bias=((3, 1.0), (VOCAB - 1, -2.0)))), INFO)
+    with pytest.raises(RequestError, match=re.escape(f"logit_bias: [1] = {VOCAB} is outside the vocabulary")):
+        validate_request(EngineRequest("r", (4,), SamplingParams(logit_bias=((3, 1.0), (VOCAB, 1.0)))), INFO)
+    with pytest.raises(RequestError, match="logit_bias: has a token id more than once"):
+        validate_request(EngineRequest("r", (4,), SamplingParams(logit_bias=((3, 1.0), (3, 2.0)))), INFO)
