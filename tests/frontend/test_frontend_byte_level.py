@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from engine_server.frontend import byte_level
-from engine_server.frontend.byte_level import ByteLevelDecoder, ByteLevelTables
+from engine_server.frontend.byte_level import ByteLevelTables
 from engine_server.frontend.tokenizer import Tokenizer
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models
@@ -38,9 +38,9 @@ def test_a_whole_tokens_text_is_its_decode_and_the_rest_are_left_to_the_decoder(
 def test_ids_past_the_tokenizer_vocabulary_decode_to_nothing_as_decode_does(tokenizer: Tokenizer) -> None:
     assert tokenizer.byte_tables is not None
     ids = [300, tokenizer.vocab_size + 7, 301]
-    decoder = ByteLevelDecoder(tokenizer.byte_tables.table(skip_special_tokens=True))
+    decoder = tokenizer.byte_tables.decoder(skip_special_tokens=True)
     assert decoder.add_many(ids) + decoder.finish() == tokenizer.decode(ids)
-    decoder = ByteLevelDecoder(tokenizer.byte_tables.table(skip_special_tokens=True))
+    decoder = tokenizer.byte_tables.decoder(skip_special_tokens=True)
     assert "".join(decoder.add(i) for i in ids) + decoder.finish() == tokenizer.decode(ids)
 
 

@@ -127,18 +127,20 @@ class ByteLevelDecoder:
 
     __slots__ = ("_pending", "_table", "_texts")
 
-    def __init__(self, table: list[bytes], texts: list[str | None] | None = None) -> None:
+    def __init__(self, table: list[bytes], texts: list[str | None]) -> None:
         self._table = table
-        self._texts = whole_texts(table) if texts is None else texts  # (ByteLevelTables passes its own)
+        self._texts = texts  # whole_texts(table), built once per tokenizer (ByteLevelTables.decoder)
         self._pending = b""  # the bytes of an incomplete character at the end, held back
 
     def add(self, token_id: int) -> str:
         table = self._table
-        if not self._pending and 0 <= token_id < len(table):
+        if not 0 <= token_id < len(table):  # past the tokenizer's vocabulary: decodes to ""
+            return self._decode(b"")
+        if not self._pending:
             text = self._texts[token_id]
             if text is not None:
                 return text
-        return self._decode(table[token_id] if 0 <= token_id < len(table) else b"")
+        return self._decode(table[token_id])
 
     def add_many(self, token_ids: list[int]) -> str:
         if len(token_ids) == 1 and not self._pending:  # one whole token: its text as it is
