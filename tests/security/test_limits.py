@@ -8,12 +8,13 @@ from engine_proto.engine.v1 import engine_service_pb2_grpc
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from engine_proto.engine.v1.tokenize_pb2 import TokenizeRequest
 from engine_server.api.security import SecurityConfig
+from engine_server.api.security.limits import MESSAGE_PREFIX
 from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from h2.events import ResponseReceived, TrailersReceived
 from sec_fakes import WAIT_S, serve
-from sec_raw_h2 import grpc_headers, raw_h2, text_headers
+from sec_raw_h2 import grpc_frame, grpc_headers, raw_h2, text_headers
 
 LIMIT = 64 * 1024
 
@@ -91,3 +92,52 @@ async def test_call_that_never_sends_its_message_times_out() -> None:
         assert ("grpc-message", "request message not received within 0.2 s") in headers
         assert served.engine.num_started == 0
         assert not raw.is_closed  # the connection itself is fine
+
+
+async def _status_of_raw_call(port: int, path: str, body: bytes) -> tuple[str | None, str | None]:
+    """(grpc-status, grpc-message) the server answers to one call whose DATA is `body`, sent as it is."""
+    async with raw_h2(port) as raw:
+        stream_id = raw.conn.get_next_available_stream_id()
+        raw.conn.send_headers(stream_id, grpc_headers(port, path))
+        raw.conn.send_data(stream_id, body, end_stream=True)
+        await raw.flush()
+        await raw.wait_stream_done(stream_id)
+        headers = dict(
+            header
+            for event in raw.events
+            if isinstance(event, ResponseReceived | TrailersReceived) and event.stream_id == stream_id
+            for header in text_headers(event)
+        )
+        return headers.get("grpc-status"), headers.get("grpc-message")
+
+
+@pytest.mark.parametrize(
+    ("method", "type_name"),
+    [("Generate", "engine.v1.GenerateRequest"), ("Tokenize", "engine.v1.TokenizeRequest")],
+    ids=["fast-path", "grpclib-path"],
+)
+async def test_malformed_message_is_invalid_argument(method: str, type_name: str) -> None:
+    # 0x12 = field 2, length-delimited, and then no length: protobuf cannot parse it
+    async with serve(SecurityConfig()) as served:
+        status, message = await _status_of_raw_call(
+            served.port, f"/engine.v1.EngineService/{method}", grpc_frame(b"\x12")
+        )
+        assert status == str(Status.INVALID_ARGUMENT.value)
+        assert message is not None
+        assert message.startswith(f"the request is not a valid {type_name}: ")
+        assert served.engine.num_started == 0
+
+
+async def test_message_cut_short_is_invalid_argument() -> None:
+    async with serve(SecurityConfig()) as served:
+        # the prefix announces 10 bytes, the stream ends after 3
+        body = MESSAGE_PREFIX.pack(False, 10) + b"\x0a\x01a"
+        status, message = await _status_of_raw_call(served.port, "/engine.v1.EngineService/Tokenize", body)
+        assert status == str(Status.INVALID_ARGUMENT.value)
+        assert message == "incomplete request message: the stream ended inside a 10-byte message"
+        # and inside the prefix
+        status, message = await _status_of_raw_call(
+            served.port, "/engine.v1.EngineService/Tokenize", body[:3]
+        )
+        assert status == str(Status.INVALID_ARGUMENT.value)
+        assert message == "incomplete request message: the stream ended inside a message's 5-byte prefix"
