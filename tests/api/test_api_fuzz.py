@@ -14,119 +14,36 @@ Hypothesis runs a fixed set of examples in CI (derandomized); ENGINE_FUZZ_EXAMPL
 from __future__ import annotations
 
 import asyncio
-import os
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
-from apiutil import wait_engine_idle
 from engine_proto.engine.v1 import embed_pb2, generate_pb2, tokenize_pb2
-from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
+from fuzz_calls import (
+    ENGINE_PREFIX,
+    MAX_MESSAGES,
+    VLLM_PREFIX,
+    VOCAB_SIZE,
+    Outcome,
+    RawMessage,
+    assert_log_clean,
+    call,
+    call_and_settle,
+    check,
+    check_generated,
+    engine_base,
+    fuzz_settings,
+    log_kept_clean,
+    run,
+    settled,
+)
 from fuzz_proto import MessageFuzzer
 from google.protobuf.message import Message
-from grpclib.client import Channel
-from grpclib.const import Cardinality, Status
-from grpclib.exceptions import GRPCError
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from serverproc import RunningServer
+from serverproc import RunningServer, start_server
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 
-_EXAMPLES = int(os.environ.get("ENGINE_FUZZ_EXAMPLES", "0"))
-
-
-def fuzz_settings(ci_examples: int) -> Callable[[Any], Any]:
-    return settings(
-        max_examples=_EXAMPLES or ci_examples,
-        derandomize=not _EXAMPLES,
-        database=None,
-        deadline=None,
-        suppress_health_check=[
-            HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example,
-        ],
-    )
-
-
-# What a client may be told about its own request; anything else is the server's fault.
-CLIENT_ERRORS = frozenset({
-    Status.INVALID_ARGUMENT, Status.OUT_OF_RANGE, Status.RESOURCE_EXHAUSTED, Status.FAILED_PRECONDITION,
-    Status.NOT_FOUND, Status.ALREADY_EXISTS, Status.UNIMPLEMENTED,
-})
-MAX_MESSAGES = 24  # a stream still going after this many messages is cancelled (which must not leak either)
-CALL_S = 20.0
-
-ENGINE_PREFIX = "/engine.v1.EngineService/"
-VLLM_PREFIX = "/vllm.grpc.engine.VllmEngine/"
-
 fuzzer = MessageFuzzer(small=1100)
-
-
-@dataclass
-class Outcome:
-    status: Status
-    message: str | None
-    num_messages: int
-    cancelled: bool = False
-
-
-class RawMessage:
-    """A request whose bytes are given as they are (grpclib's codec calls SerializeToString)."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def SerializeToString(self) -> bytes:
-        return self.data
-
-
-async def call(port: int, path: str, request: Any, reply_type: type[Message], *, streaming: bool) -> Outcome:
-    channel = Channel("127.0.0.1", port)
-    cardinality = Cardinality.UNARY_STREAM if streaming else Cardinality.UNARY_UNARY
-    received = 0
-    try:
-        async with channel.request(path, cardinality, type(request), reply_type, timeout=CALL_S) as stream:
-            await stream.send_message(request, end=True)
-            while await stream.recv_message() is not None:
-                received += 1
-                if received >= MAX_MESSAGES:
-                    await stream.cancel()
-                    return Outcome(Status.OK, None, received, cancelled=True)
-            await stream.recv_trailing_metadata()
-        return Outcome(Status.OK, None, received)
-    except GRPCError as error:
-        return Outcome(error.status, error.message, received)
-    finally:
-        channel.close()
-
-
-async def call_and_settle(port: int, path: str, request: Any, reply_type: type[Message], *,
-                          streaming: bool) -> Outcome:
-    outcome = await call(port, path, request, reply_type, streaming=streaming)
-    channel = Channel("127.0.0.1", port)
-    try:
-        load = await wait_engine_idle(EngineServiceStub(channel))
-    finally:
-        channel.close()
-    assert load.num_running_requests == 0, (outcome, load)
-    assert load.num_waiting_requests == 0, (outcome, load)
-    assert load.num_free_kv_blocks == load.num_total_kv_blocks, (outcome, load)
-    return outcome
-
-
-def check(outcome: Outcome, request: Any, allowed: frozenset[Status] = CLIENT_ERRORS) -> None:
-    # counted by pytest --hypothesis-show-statistics
-    event(f"{outcome.status.name}{' (cancelled)' if outcome.cancelled else ''}")
-    if outcome.status == Status.OK:
-        return
-    assert outcome.status in allowed, f"{outcome.status.name}: {outcome.message!r} for\n{request}"
-    assert outcome.message, f"{outcome.status.name} without a message for\n{request}"
-
-
-def run(coroutine: Any) -> Outcome:
-    result: Outcome = asyncio.run(coroutine)
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -135,22 +52,8 @@ def port(server: RunningServer) -> int:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def log_stays_clean(server: RunningServer) -> Any:
-    """The server logs nothing it did not expect while the fuzzed requests run."""
-    start = len(server.log())
-    yield
-    time.sleep(0.2)
-    log = server.log()[start:]
-    for marker in ("Traceback", "Exception in callback", "Task exception was never retrieved", "ERROR"):
-        assert marker not in log, log[-4000:]
-
-
-def engine_base() -> generate_pb2.GenerateRequest:
-    request = generate_pb2.GenerateRequest(stream=True)
-    request.token_ids.ids.extend([5, 17, 300, 42, 9])
-    request.sampling.temperature = 0.0
-    request.stopping.max_tokens = 4
-    return request
+def log_stays_clean(server: RunningServer) -> Iterator[None]:
+    yield from log_kept_clean(server)
 
 
 def vllm_base() -> vllm_pb.GenerateRequest:
@@ -168,6 +71,7 @@ def test_engine_generate(port: int, request: generate_pb2.GenerateRequest) -> No
     outcome = run(call_and_settle(port, ENGINE_PREFIX + "Generate", request, generate_pb2.GenerateResponse,
                                   streaming=True))
     check(outcome, request)
+    check_generated(request, outcome)
 
 
 @fuzz_settings(ci_examples=80)
@@ -241,3 +145,53 @@ def test_mutated_bytes(port: int, case: tuple[str, bytes, type[Message]]) -> Non
     prefix, data, reply_type = case
     outcome = run(call_and_settle(port, prefix + "Generate", RawMessage(data), reply_type, streaming=True))
     check(outcome, data)
+
+
+# Concurrent requests on a server with a small KV cache: admission, the waiting queue, preemption and
+# cancellation all meet.
+SMALL_SERVER_ARGS = ("--num-kv-blocks", "24", "--max-num-seqs", "4", "--max-waiting", "6")
+Plan = list[tuple[generate_pb2.GenerateRequest, int, float]]  # (request, cancel after, delay) each
+
+
+@pytest.fixture(scope="module")
+def small_port() -> Iterator[int]:
+    with start_server(*SMALL_SERVER_ARGS) as running:
+        start = len(running.log())
+        yield running.port
+        assert_log_clean(running.log()[start:])
+
+
+@st.composite
+def concurrent_requests(draw: st.DrawFn) -> Plan:
+    """2-10 requests with prompts of 1-150 ids, each with when to cancel it and how long to wait before it."""
+    def base() -> generate_pb2.GenerateRequest:
+        request = engine_base()
+        del request.token_ids.ids[:]
+        request.token_ids.ids.extend(draw(st.lists(st.integers(3, VOCAB_SIZE - 1), min_size=1, max_size=150)))
+        request.stopping.max_tokens = draw(st.integers(1, 48))
+        return request
+    plan = []
+    for _ in range(draw(st.integers(2, 10))):
+        request = draw(fuzzer.overlay(base))
+        cancel_after = draw(st.sampled_from([MAX_MESSAGES, MAX_MESSAGES, 1, 2, 4]))
+        plan.append((request, cancel_after, draw(st.sampled_from([0.0, 0.0, 0.005, 0.03]))))
+    return plan
+
+
+async def run_concurrently(port: int, plan: Plan) -> list[Outcome]:
+    async def one(request: generate_pb2.GenerateRequest, cancel_after: int, delay_s: float) -> Outcome:
+        await asyncio.sleep(delay_s)
+        return await call(port, ENGINE_PREFIX + "Generate", request, generate_pb2.GenerateResponse,
+                          streaming=True, cancel_after=cancel_after)
+    outcomes = list(await asyncio.gather(*(one(*item) for item in plan)))
+    await settled(port, outcomes)
+    return outcomes
+
+
+@fuzz_settings(ci_examples=40)
+@given(concurrent_requests())
+def test_engine_generate_concurrently(small_port: int, plan: Plan) -> None:
+    outcomes = asyncio.run(run_concurrently(small_port, plan))
+    for (request, _, _), outcome in zip(plan, outcomes, strict=True):
+        check(outcome, request)
+        check_generated(request, outcome)

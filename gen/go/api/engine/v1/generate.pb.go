@@ -403,7 +403,7 @@ type SamplingParams struct {
 	// Nucleus sampling: keep the smallest set of tokens whose probability sums to at least top_p, in (0, 1].
 	// Default: 1.0 (off).
 	TopP *float32 `protobuf:"fixed32,2,opt,name=top_p,json=topP,proto3,oneof" json:"top_p,omitempty"`
-	// Keep only the top_k most likely tokens. 0 means off. Default: 0.
+	// Keep only the top_k most likely tokens, at most the vocabulary size. 0 means off. Default: 0.
 	TopK *uint32 `protobuf:"varint,3,opt,name=top_k,json=topK,proto3,oneof" json:"top_k,omitempty"`
 	// Drop tokens whose probability is below min_p times the most likely token's, in [0, 1]. Default: 0 (off).
 	MinP *float32 `protobuf:"fixed32,4,opt,name=min_p,json=minP,proto3,oneof" json:"min_p,omitempty"`
@@ -529,7 +529,8 @@ type StoppingCriteria struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Maximum number of tokens to generate per completion, >= 1. Default: up to the model's context length.
 	MaxTokens *uint32 `protobuf:"varint,1,opt,name=max_tokens,json=maxTokens,proto3,oneof" json:"max_tokens,omitempty"`
-	// The end-of-sequence token and stop tokens are ignored until this many tokens were generated. Default: 0.
+	// The end-of-sequence token and stop tokens are ignored until this many tokens were generated; at most
+	// max_tokens. Default: 0.
 	MinTokens uint32 `protobuf:"varint,2,opt,name=min_tokens,json=minTokens,proto3" json:"min_tokens,omitempty"`
 	// Stop when the generated text contains one of these strings (matched across token boundaries).
 	// At most 16 strings, each 1 to 256 characters. Default: none.

@@ -246,7 +246,7 @@ class SamplingParams(_message.Message):
     Default: 1.0 (off).
     """
     top_k: _builtins.int
-    """Keep only the top_k most likely tokens. 0 means off. Default: 0."""
+    """Keep only the top_k most likely tokens, at most the vocabulary size. 0 means off. Default: 0."""
     min_p: _builtins.float
     """Drop tokens whose probability is below min_p times the most likely token's, in [0, 1]. Default: 0 (off)."""
     repetition_penalty: _builtins.float
@@ -337,7 +337,9 @@ class StoppingCriteria(_message.Message):
     max_tokens: _builtins.int
     """Maximum number of tokens to generate per completion, >= 1. Default: up to the model's context length."""
     min_tokens: _builtins.int
-    """The end-of-sequence token and stop tokens are ignored until this many tokens were generated. Default: 0."""
+    """The end-of-sequence token and stop tokens are ignored until this many tokens were generated; at most
+    max_tokens. Default: 0.
+    """
     ignore_eos: _builtins.bool
     """Keep generating past the model's end-of-sequence token. Default: false."""
     include_stop_string: _builtins.bool

@@ -820,7 +820,7 @@ class SamplingParams(betterproto2.Message):
 
     top_k: "int | None" = betterproto2.field(3, betterproto2.TYPE_UINT32, optional=True)
     """
-    Keep only the top_k most likely tokens. 0 means off. Default: 0.
+    Keep only the top_k most likely tokens, at most the vocabulary size. 0 means off. Default: 0.
     """
 
     min_p: "float | None" = betterproto2.field(4, betterproto2.TYPE_FLOAT, optional=True)
@@ -950,7 +950,8 @@ class StoppingCriteria(betterproto2.Message):
 
     min_tokens: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
     """
-    The end-of-sequence token and stop tokens are ignored until this many tokens were generated. Default: 0.
+    The end-of-sequence token and stop tokens are ignored until this many tokens were generated; at most
+    max_tokens. Default: 0.
     """
 
     stop: "list[str]" = betterproto2.field(3, betterproto2.TYPE_STRING, repeated=True)

@@ -81,7 +81,7 @@ pub struct SamplingParams {
     /// Default: 1.0 (off).
     #[prost(float, optional, tag="2")]
     pub top_p: ::core::option::Option<f32>,
-    /// Keep only the top_k most likely tokens. 0 means off. Default: 0.
+    /// Keep only the top_k most likely tokens, at most the vocabulary size. 0 means off. Default: 0.
     #[prost(uint32, optional, tag="3")]
     pub top_k: ::core::option::Option<u32>,
     /// Drop tokens whose probability is below min_p times the most likely token's, in \[0, 1\]. Default: 0 (off).
@@ -113,7 +113,8 @@ pub struct StoppingCriteria {
     /// Maximum number of tokens to generate per completion, >= 1. Default: up to the model's context length.
     #[prost(uint32, optional, tag="1")]
     pub max_tokens: ::core::option::Option<u32>,
-    /// The end-of-sequence token and stop tokens are ignored until this many tokens were generated. Default: 0.
+    /// The end-of-sequence token and stop tokens are ignored until this many tokens were generated; at most
+    /// max_tokens. Default: 0.
     #[prost(uint32, tag="2")]
     pub min_tokens: u32,
     /// Stop when the generated text contains one of these strings (matched across token boundaries).
