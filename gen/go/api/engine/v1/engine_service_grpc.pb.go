@@ -62,9 +62,9 @@ type EngineServiceClient interface {
 	//	                  request_id is already in flight, or the model cannot generate (an embedding model).
 	//	DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
 	Generate(ctx context.Context, in *GenerateRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[GenerateResponse], error)
-	// Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an empty
-	// input, a token id outside the vocabulary, an input longer than the context length, or a model that is not
-	// an embedding model.
+	// Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
+	// without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
+	// the vocabulary, an input longer than the context length, or a model that is not an embedding model.
 	Embed(ctx context.Context, in *EmbedRequest, opts ...grpc.CallOption) (*EmbedResponse, error)
 	// Tokenize turns text (or chat messages, through the model's chat template) into token ids.
 	// Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template.
@@ -199,9 +199,9 @@ type EngineServiceServer interface {
 	//	                  request_id is already in flight, or the model cannot generate (an embedding model).
 	//	DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
 	Generate(*GenerateRequest, grpc.ServerStreamingServer[GenerateResponse]) error
-	// Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an empty
-	// input, a token id outside the vocabulary, an input longer than the context length, or a model that is not
-	// an embedding model.
+	// Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
+	// without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
+	// the vocabulary, an input longer than the context length, or a model that is not an embedding model.
 	Embed(context.Context, *EmbedRequest) (*EmbedResponse, error)
 	// Tokenize turns text (or chat messages, through the model's chat template) into token ids.
 	// Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template.

@@ -101,9 +101,9 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Embed(self, request, context):
-        """Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an empty
-        input, a token id outside the vocabulary, an input longer than the context length, or a model that is not
-        an embedding model.
+        """Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
+        without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
+        the vocabulary, an input longer than the context length, or a model that is not an embedding model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -63,9 +63,9 @@ class EngineServiceStub:
       DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
     """
     Embed: _grpc.UnaryUnaryMultiCallable[_embed_pb2.EmbedRequest, _embed_pb2.EmbedResponse]
-    """Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an empty
-    input, a token id outside the vocabulary, an input longer than the context length, or a model that is not
-    an embedding model.
+    """Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
+    without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
+    the vocabulary, an input longer than the context length, or a model that is not an embedding model.
     """
     Tokenize: _grpc.UnaryUnaryMultiCallable[_tokenize_pb2.TokenizeRequest, _tokenize_pb2.TokenizeResponse]
     """Tokenize turns text (or chat messages, through the model's chat template) into token ids.
@@ -106,9 +106,9 @@ class EngineServiceAsyncStub(EngineServiceStub):
       DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
     """
     Embed: _aio.UnaryUnaryMultiCallable[_embed_pb2.EmbedRequest, _embed_pb2.EmbedResponse]  # type: ignore[assignment]
-    """Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an empty
-    input, a token id outside the vocabulary, an input longer than the context length, or a model that is not
-    an embedding model.
+    """Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
+    without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
+    the vocabulary, an input longer than the context length, or a model that is not an embedding model.
     """
     Tokenize: _aio.UnaryUnaryMultiCallable[_tokenize_pb2.TokenizeRequest, _tokenize_pb2.TokenizeResponse]  # type: ignore[assignment]
     """Tokenize turns text (or chat messages, through the model's chat template) into token ids.
@@ -158,9 +158,9 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _embed_pb2.EmbedRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_embed_pb2.EmbedResponse, _abc.Awaitable[_embed_pb2.EmbedResponse]]:
-        """Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an empty
-        input, a token id outside the vocabulary, an input longer than the context length, or a model that is not
-        an embedding model.
+        """Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
+        without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
+        the vocabulary, an input longer than the context length, or a model that is not an embedding model.
         """
 
     @_abc_1.abstractmethod

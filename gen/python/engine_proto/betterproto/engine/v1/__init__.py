@@ -1155,9 +1155,9 @@ class EngineServiceSyncStub:
 
     def embed(self, message: "EmbedRequest") -> "EmbedResponse":
         """
-        Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an empty
-        input, a token id outside the vocabulary, an input longer than the context length, or a model that is not
-        an embedding model.
+        Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
+        without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
+        the vocabulary, an input longer than the context length, or a model that is not an embedding model.
         """
 
         return self._channel.unary_unary(
@@ -1291,9 +1291,9 @@ class EngineServiceStub(betterproto2_grpclib.ServiceStub):
         metadata: "MetadataLike | None" = None,
     ) -> "EmbedResponse":
         """
-        Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an empty
-        input, a token id outside the vocabulary, an input longer than the context length, or a model that is not
-        an embedding model.
+        Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
+        without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
+        the vocabulary, an input longer than the context length, or a model that is not an embedding model.
         """
 
         return await self._unary_unary(
@@ -1469,9 +1469,9 @@ class EngineServiceBase(betterproto2_grpclib.ServiceBase):
 
     async def embed(self, message: "EmbedRequest") -> "EmbedResponse":
         """
-        Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an empty
-        input, a token id outside the vocabulary, an input longer than the context length, or a model that is not
-        an embedding model.
+        Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
+        without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
+        the vocabulary, an input longer than the context length, or a model that is not an embedding model.
         """
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)

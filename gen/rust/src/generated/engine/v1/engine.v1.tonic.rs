@@ -127,9 +127,9 @@ pub mod engine_service_client {
                 .insert(GrpcMethod::new("engine.v1.EngineService", "Generate"));
             self.inner.server_streaming(req, path, codec).await
         }
-        /** Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an empty
- input, a token id outside the vocabulary, an input longer than the context length, or a model that is not
- an embedding model.
+        /** Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
+ without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
+ the vocabulary, an input longer than the context length, or a model that is not an embedding model.
 */
         pub async fn embed(
             &mut self,
@@ -345,9 +345,9 @@ pub mod engine_service_server {
             &self,
             request: tonic::Request<super::GenerateRequest>,
         ) -> std::result::Result<tonic::Response<Self::GenerateStream>, tonic::Status>;
-        /** Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an empty
- input, a token id outside the vocabulary, an input longer than the context length, or a model that is not
- an embedding model.
+        /** Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
+ without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
+ the vocabulary, an input longer than the context length, or a model that is not an embedding model.
 */
         async fn embed(
             &self,
