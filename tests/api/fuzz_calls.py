@@ -20,16 +20,19 @@ from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 from h2.exceptions import StreamClosedError
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, Phase, event, settings
 from serverproc import RunningServer
 
 _EXAMPLES = int(os.environ.get("ENGINE_FUZZ_EXAMPLES", "0"))
 
 
 def fuzz_settings(ci_examples: int) -> Callable[[Any], Any]:
+    """CI: a fixed set of examples, a failure reported as drawn (shrinking it can outlast the test's timeout).
+    ENGINE_FUZZ_EXAMPLES=N: N random examples, failures shrunk."""
     return settings(
         max_examples=_EXAMPLES or ci_examples,
         derandomize=not _EXAMPLES,
+        phases=tuple(Phase) if _EXAMPLES else tuple(p for p in Phase if p is not Phase.shrink),
         database=None,
         deadline=None,
         suppress_health_check=[

@@ -280,9 +280,11 @@ async def test_a_malformed_request_fails_as_on_grpclibs_path(harness: Harness) -
         results = []
         for h in (harness, reference):
             trailers = await _raw_call(h.server.port, b"\xff\xff\xff", [])  # not a GenerateRequest
-            results.append((trailers["grpc-status"], trailers.get("grpc-message"), h.count("UNKNOWN")))
+            status = trailers["grpc-status"]
+            results.append((status, trailers.get("grpc-message"), h.count("INVALID_ARGUMENT")))
         assert results[0] == results[1]
-        assert results[0][0] == str(Status.UNKNOWN.value)
+        assert results[0][0] == str(Status.INVALID_ARGUMENT.value)
+        assert (results[0][1] or "").startswith("the request is not a valid engine.v1.GenerateRequest: ")
         assert results[0][2] == 1  # counted by the metrics wrapper on both paths
         assert harness.num_fast == 1
     finally:

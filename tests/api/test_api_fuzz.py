@@ -82,39 +82,26 @@ def test_vllm_generate(port: int, request: vllm_pb.GenerateRequest) -> None:
     check(outcome, request)
 
 
-UNARY = [
-    ("Tokenize", tokenize_pb2.TokenizeRequest, tokenize_pb2.TokenizeResponse),
-    ("Detokenize", tokenize_pb2.DetokenizeRequest, tokenize_pb2.DetokenizeResponse),
-    ("Embed", embed_pb2.EmbedRequest, embed_pb2.EmbedResponse),
-    ("Abort", generate_pb2.AbortRequest, generate_pb2.AbortResponse),
+UNARY = [  # (service prefix, method, request type, reply type)
+    (ENGINE_PREFIX, "Tokenize", tokenize_pb2.TokenizeRequest, tokenize_pb2.TokenizeResponse),
+    (ENGINE_PREFIX, "Detokenize", tokenize_pb2.DetokenizeRequest, tokenize_pb2.DetokenizeResponse),
+    (ENGINE_PREFIX, "Embed", embed_pb2.EmbedRequest, embed_pb2.EmbedResponse),
+    (ENGINE_PREFIX, "Abort", generate_pb2.AbortRequest, generate_pb2.AbortResponse),
+    (VLLM_PREFIX, "Embed", vllm_pb.EmbedRequest, vllm_pb.EmbedResponse),
+    (VLLM_PREFIX, "Abort", vllm_pb.AbortRequest, vllm_pb.AbortResponse),
+    (VLLM_PREFIX, "GetModelInfo", vllm_pb.GetModelInfoRequest, vllm_pb.GetModelInfoResponse),
+    (VLLM_PREFIX, "GetServerInfo", vllm_pb.GetServerInfoRequest, vllm_pb.GetServerInfoResponse),
+    (VLLM_PREFIX, "GetLoads", vllm_pb.GetLoadsRequest, vllm_pb.GetLoadsResponse),
+    (VLLM_PREFIX, "HealthCheck", vllm_pb.HealthCheckRequest, vllm_pb.HealthCheckResponse),
 ]
 
 
-@fuzz_settings(ci_examples=80)
+@fuzz_settings(ci_examples=140)
 @given(st.sampled_from(UNARY).flatmap(
-    lambda rpc: st.tuples(st.just(rpc[0]), fuzzer.messages(rpc[1]), st.just(rpc[2]))))
-def test_engine_unary(port: int, rpc: tuple[str, Message, type[Message]]) -> None:
-    method, request, reply_type = rpc
-    outcome = run(call_and_settle(port, ENGINE_PREFIX + method, request, reply_type, streaming=False))
-    check(outcome, request)
-
-
-VLLM_UNARY = [
-    ("Embed", vllm_pb.EmbedRequest, vllm_pb.EmbedResponse),
-    ("Abort", vllm_pb.AbortRequest, vllm_pb.AbortResponse),
-    ("GetModelInfo", vllm_pb.GetModelInfoRequest, vllm_pb.GetModelInfoResponse),
-    ("GetServerInfo", vllm_pb.GetServerInfoRequest, vllm_pb.GetServerInfoResponse),
-    ("GetLoads", vllm_pb.GetLoadsRequest, vllm_pb.GetLoadsResponse),
-    ("HealthCheck", vllm_pb.HealthCheckRequest, vllm_pb.HealthCheckResponse),
-]
-
-
-@fuzz_settings(ci_examples=60)
-@given(st.sampled_from(VLLM_UNARY).flatmap(
-    lambda rpc: st.tuples(st.just(rpc[0]), fuzzer.messages(rpc[1]), st.just(rpc[2]))))
-def test_vllm_unary(port: int, rpc: tuple[str, Message, type[Message]]) -> None:
-    method, request, reply_type = rpc
-    outcome = run(call_and_settle(port, VLLM_PREFIX + method, request, reply_type, streaming=False))
+    lambda rpc: st.tuples(st.just(rpc[0] + rpc[1]), fuzzer.messages(rpc[2]), st.just(rpc[3]))))
+def test_unary(port: int, rpc: tuple[str, Message, type[Message]]) -> None:
+    path, request, reply_type = rpc
+    outcome = run(call_and_settle(port, path, request, reply_type, streaming=False))
     check(outcome, request)
 
 

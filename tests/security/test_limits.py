@@ -1,6 +1,9 @@
-"""Receive limits: oversized -> RESOURCE_EXHAUSTED (body never buffered); no message -> DEADLINE_EXCEEDED."""
+"""Receive limits: oversized -> RESOURCE_EXHAUSTED (body never buffered); no message -> DEADLINE_EXCEEDED,
+or INVALID_ARGUMENT once the stream ended without one."""
 
 from __future__ import annotations
+
+import logging
 
 import grpc
 import pytest
@@ -14,9 +17,19 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from h2.events import ResponseReceived, TrailersReceived
 from sec_fakes import WAIT_S, serve
-from sec_raw_h2 import grpc_frame, grpc_headers, raw_h2, text_headers
+from sec_raw_h2 import RawH2, grpc_frame, grpc_headers, raw_h2, text_headers
 
 LIMIT = 64 * 1024
+
+
+def _response_headers(raw: RawH2, stream_id: int) -> list[tuple[str, str]]:
+    """The response headers and trailers the server sent on one stream, in order."""
+    return [
+        header
+        for event in raw.events
+        if isinstance(event, ResponseReceived | TrailersReceived) and event.stream_id == stream_id
+        for header in text_headers(event)
+    ]
 
 
 def _request_of_size(num_bytes: int) -> TokenizeRequest:
@@ -82,12 +95,7 @@ async def test_call_that_never_sends_its_message_times_out() -> None:
         raw.conn.send_headers(stream_id, grpc_headers(served.port, "/engine.v1.EngineService/Generate"))
         await raw.flush()  # headers only: the request message never comes
         await raw.wait_stream_done(stream_id)
-        headers = [
-            header
-            for event in raw.events
-            if isinstance(event, ResponseReceived | TrailersReceived) and event.stream_id == stream_id
-            for header in text_headers(event)
-        ]
+        headers = _response_headers(raw, stream_id)
         assert ("grpc-status", str(Status.DEADLINE_EXCEEDED.value)) in headers
         assert ("grpc-message", "request message not received within 0.2 s") in headers
         assert served.engine.num_started == 0
@@ -102,12 +110,7 @@ async def _status_of_raw_call(port: int, path: str, body: bytes) -> tuple[str | 
         raw.conn.send_data(stream_id, body, end_stream=True)
         await raw.flush()
         await raw.wait_stream_done(stream_id)
-        headers = dict(
-            header
-            for event in raw.events
-            if isinstance(event, ResponseReceived | TrailersReceived) and event.stream_id == stream_id
-            for header in text_headers(event)
-        )
+        headers = dict(_response_headers(raw, stream_id))
         return headers.get("grpc-status"), headers.get("grpc-message")
 
 
@@ -141,3 +144,20 @@ async def test_message_cut_short_is_invalid_argument() -> None:
         )
         assert status == str(Status.INVALID_ARGUMENT.value)
         assert message == "incomplete request message: the stream ended inside a message's 5-byte prefix"
+
+
+@pytest.mark.parametrize("path", ["/grpc.health.v1.Health/Check", "/engine.v1.EngineService/Tokenize"])
+async def test_call_whose_stream_ends_without_its_message_is_invalid_argument(
+    path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # grpclib hands a single-message method None for it: grpclib's own health Check (and our fake) asserted,
+    # so the client got UNKNOWN and the log a traceback per call.
+    async with serve(SecurityConfig()) as served, raw_h2(served.port) as raw:
+        stream_id = raw.conn.get_next_available_stream_id()
+        raw.conn.send_headers(stream_id, grpc_headers(served.port, path), end_stream=True)
+        await raw.flush()
+        await raw.wait_stream_done(stream_id)
+        headers = _response_headers(raw, stream_id)
+        assert ("grpc-status", str(Status.INVALID_ARGUMENT.value)) in headers
+        assert ("grpc-message", "missing request message: the stream ended") in headers
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

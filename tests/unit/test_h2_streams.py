@@ -12,6 +12,7 @@ import pytest
 from engine_server.api.h2_streams import CachingDecoder, LazyCountingH2Connection, use_lazy_counting
 from h2.config import H2Configuration
 from h2.connection import H2Connection
+from h2.errors import ErrorCodes
 from h2.events import DataReceived
 from h2.exceptions import ProtocolError, TooManyStreamsError
 from h2.settings import SettingCodes
@@ -210,6 +211,22 @@ def test_an_invalid_header_list_is_refused_as_h2_refuses_it() -> None:
     log = _serve([REQUEST, REQUEST, bad], lean=True, validate=True)
     assert "ProtocolError" in str(log[-1])
     assert log == _serve([REQUEST, REQUEST, bad], lean=False, validate=True)
+
+
+def test_a_header_field_outside_the_encoding_is_a_connection_error() -> None:
+    # grpclib's configuration (header_encoding="ascii", validation off): h2 let the UnicodeDecodeError of a
+    # non-ASCII value escape receive_data, and the server's transport died with a traceback in its log.
+    config = H2Configuration(client_side=False, header_encoding="ascii", validate_inbound_headers=False)
+    client, server = _pair(lazy=True, server_config=config)
+    assert type(server) is LazyCountingH2Connection
+    client.send_headers(1, REQUEST, end_stream=True)
+    server.receive_data(client.data_to_send())  # an ASCII request: served
+    client.send_headers(3, [*REQUEST, ("x-name", "caf\u00e9")], end_stream=True)
+    with pytest.raises(ProtocolError, match="not ascii"):
+        server.receive_data(client.data_to_send())
+    events = client.receive_data(server.data_to_send())
+    assert [(type(e).__name__, getattr(e, "error_code", None)) for e in events] == [
+        ("ConnectionTerminated", ErrorCodes.PROTOCOL_ERROR)]
 
 
 def test_received_frames_skip_the_long_repr_only_without_a_logger() -> None:

@@ -14,7 +14,9 @@ the same wrappers, the same release; the API-key check and the call metrics appl
 `wrap_method` their listeners also use). Anything unusual (another method, an unknown listener, a request
 that is not complete, well-formed and within the size limit, a malformed grpc-timeout, a non-proto content
 type) goes to grpclib's request_handler unchanged, which then produces exactly the behaviour and errors it
-always did.
+always did; except for what request_handler mishandles, served here too (its request read by the size limit's
+bounded reads): a call with a deadline, which may pass before the call starts, or with binary metadata, which
+may not be base64 (`_call_to_serve`).
 
 Direct calls: for a method registered with a `DirectStart` (engine.v1's streamed Generate), the call's first
 step is a loop callback instead of a task, and the method may serve the call from there on without any task
@@ -30,7 +32,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from grpclib.const import Cardinality, Status
@@ -121,11 +123,15 @@ class FastPathHandler(Handler):
         )
 
     def _admitted(self, headers: list[tuple[str, str]], path: str) -> tuple[bool, _Metadata | None]:
-        """Whether every listener lets the call be served without a task (not so for an invalid API key: its
-        error comes from the task's path), and the call's metadata (None: no listener needed it yet)."""
+        """Whether every listener lets the call be served without a task (not so for an invalid API key or
+        binary metadata that is not base64: their errors come from the task's path), and the call's metadata
+        (None: no listener needed it yet)."""
         if not self._wrappers:
             return True, None
-        metadata = decode_metadata(headers)
+        try:
+            metadata = _decoded_metadata(headers)
+        except GRPCError:
+            return False, None
         return all(listener.admits_direct(path, metadata) for listener in self._wrappers), metadata
 
     def cancel(self, stream: Any) -> None:
@@ -151,7 +157,12 @@ class FastPathHandler(Handler):
         if self._direct.pop(stream, None) is None:
             return  # cancelled already
         direct.stop_timer()
-        self._tasks[stream] = self.loop.create_task(self._resume(direct, func))
+        task = self.loop.create_task(self._resume(direct, func))
+        # NOTE: a task cancelled before its first step (a reset or the connection's end right after this)
+        # never runs `_resume`, which takes over what the call holds (its engine request, stream slot,
+        # in-flight count): then `on_cancel` gives it back, as for a call cancelled before it went on a task.
+        task.add_done_callback(lambda _: direct.run_on_cancel())
+        self._tasks[stream] = task
 
     def _expire(self, direct: DirectCall) -> None:
         """A direct call's deadline passed: its request is aborted and it ends with DEADLINE_EXCEEDED, as a
@@ -165,6 +176,7 @@ class FastPathHandler(Handler):
         self._continue(direct, _deadline_exceeded)
 
     async def _resume(self, direct: DirectCall, func: Callable[[Stream[Any, Any]], Awaitable[None]]) -> None:
+        direct.on_cancel = None  # from here `func` gives back what the call holds, cancelled or not
         call = direct.call
         assert call is not None
         await self._serve_and_release(direct.stream, call, direct.headers, func, direct.release_stream)
@@ -203,6 +215,11 @@ class FastPathHandler(Handler):
         if taken is None:
             taken = self._take_request(stream, headers, headers_map)
         if taken is None:
+            served_here = self._call_to_serve(stream, headers, headers_map)
+            if served_here is not None:
+                own_call, method_func = served_here
+                await self._serve_and_release(stream, own_call, headers, method_func, release_stream)
+                return
             await request_handler(self.mapping, stream, headers, self.codec, self.status_details_codec,
                                   self.dispatch, release_stream)
             return
@@ -226,6 +243,34 @@ class FastPathHandler(Handler):
         finally:
             release_stream()
 
+    def _call_to_serve(
+        self, stream: Any, headers: list[tuple[str, str]], headers_map: dict[str, str]
+    ) -> tuple[Stream[Any, Any], Callable[[Stream[Any, Any]], Awaitable[None]]] | None:
+        """(call, method) for `_serve`, of a call request_handler would mishandle (one with a deadline or
+        binary metadata) that passes the checks it makes first (method, content type, te, path), its reads
+        bounded as the size limit's listener bounds them; else None (request_handler serves the call).
+
+        NOTE: request_handler starts grpclib's DeadlineWrapper, which raises TimeoutError for a deadline that
+        has passed (on arrival, or in a pause before the call's task got there: a GC, a busy loop): "Timeout
+        occurred" with a traceback in the log, UNKNOWN for the client (see `_deadline_timer`). It decodes the
+        metadata before it has made the call's Stream: binary metadata that is not base64 was "Server error"
+        in the log and a stream never answered (see `_decoded_metadata`).
+        """
+        if self._size_limit is None or ("grpc-timeout" not in headers_map
+                                        and not any(name.endswith("-bin") for name, _ in headers)):
+            return None  # (listeners the fast path does not apply, or a call request_handler serves well)
+        method = self.mapping.get(headers_map.get(":path", ""))
+        if method is None or not _plain_headers(headers_map, self.codec):
+            return None
+        try:
+            deadline = Deadline.from_headers(headers)
+        except ValueError:
+            return None  # (request_handler answers it: UNKNOWN, "Invalid grpc-timeout header")
+        if deadline is not None and not deadline.time_remaining():  # (passed on arrival: nothing to start)
+            return self._new_call(stream, headers_map, method, None), _deadline_exceeded
+        bounded = self._size_limit.wrap_method(method.func)
+        return self._new_call(stream, headers_map, method, deadline), bounded
+
     def _new_call(self, stream: Any, headers_map: dict[str, str], method: Any,
                   deadline: Deadline | None) -> Stream[Any, Any]:
         return Stream(
@@ -236,7 +281,8 @@ class FastPathHandler(Handler):
 
     async def _serve(self, stream: Any, call: Stream[Any, Any], headers: list[tuple[str, str]],
                      method_func: Callable[[Stream[Any, Any]], Awaitable[None]]) -> None:
-        # NOTE: as grpclib's request_handler, for a call whose request was read already.
+        # NOTE: as grpclib's request_handler, for a call whose request was read already (or whose method reads
+        # it through the size limit: `_call_to_serve`).
         deadline = call.deadline
         async with call:
             wrapper: Wrapper
@@ -246,11 +292,11 @@ class FastPathHandler(Handler):
                 deadline_wrapper = contextlib.nullcontext()
             else:
                 wrapper = stream.wrapper = DeadlineWrapper()
-                deadline_wrapper = wrapper.start(deadline)
+                deadline_wrapper = _deadline_timer(wrapper, deadline)
             try:
                 with deadline_wrapper, wrapper:
                     if call.metadata is None:
-                        call.metadata = decode_metadata(headers)
+                        call.metadata = _decoded_metadata(headers)
                     metadata = call.metadata
                     for wrapper_listener in self._wrappers:  # as grpclib's RecvRequest dispatch, in order
                         method_func = wrapper_listener.wrap_method(
@@ -359,6 +405,35 @@ DirectStart = Callable[[Stream[Any, Any], bytes, DirectCall], bool]
 
 async def _deadline_exceeded(call: Stream[Any, Any]) -> None:
     raise GRPCError(Status.DEADLINE_EXCEEDED)
+
+
+def _decoded_metadata(headers: list[tuple[str, str]]) -> _Metadata:
+    """grpclib's `decode_metadata`; binary metadata (a "-bin" header) that is not base64 is the client's
+    error: INVALID_ARGUMENT (grpclib's raises binascii.Error, which no caller expected: see `_call_to_serve`;
+    out of a direct call's first step, a loop callback, it left the call unanswered)."""
+    try:
+        return decode_metadata(headers)
+    except ValueError:
+        raise GRPCError(Status.INVALID_ARGUMENT, "binary metadata (a -bin header) is not base64") from None
+
+
+@contextlib.contextmanager
+def _deadline_timer(wrapper: DeadlineWrapper, deadline: Deadline) -> Iterator[None]:
+    """grpclib's `DeadlineWrapper.start` without its TimeoutError for a deadline that has passed already.
+
+    NOTE: that error leaves before the method runs and before the wrapper counts as cancelled: the call
+    ended UNKNOWN with "Timeout occurred" and a traceback in the log, and a direct call's continuation (which
+    holds the call's engine request, stream slot and in-flight count: `DirectCall.continue_in_task`) never
+    ran, so they were never given back. Here the method starts and is cancelled at its first wait, as when
+    the deadline passes while it runs: DEADLINE_EXCEEDED, what it held given back on its way out.
+    """
+    timer = asyncio.get_running_loop().call_later(
+        deadline.time_remaining(), wrapper.cancel, TimeoutError("Deadline exceeded")
+    )
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class _Once:

@@ -15,7 +15,8 @@ call (HEADERS + DATA) here. Both steps are functions of their inputs, so their r
   changed it is not kept) and the decoder's limits are the same;
 - a processed header list, for an equal list (same header classes: never-indexed ones keep their class)
   under the same validation flags, encoding and configuration.
-What fails to decode or validate is never kept: it raises as it did, every time.
+What fails to decode or validate is never kept: it raises as it did, every time (a field that is not in the
+connection's encoding: h2's ProtocolError, a connection error, where h2 let UnicodeDecodeError escape).
 
 Received frames: h2 formats `repr(frame)` (flags, body) for a trace log on every frame it receives, even when
 the log goes nowhere (its default logger): ~3 us per frame here. A connection with that default logger gets
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from h2.config import DummyLogger, H2Configuration
 from h2.connection import AllowedStreamIDs, ConnectionState, H2Connection
 from h2.events import DataReceived, Event, RequestReceived, StreamEnded
+from h2.exceptions import ProtocolError
 from h2.frame_buffer import FrameBuffer
 from h2.stream import H2Stream, StreamState
 from h2.utilities import HeaderValidationFlags
@@ -136,7 +138,13 @@ class _ProcessedHeaders:
         processed = kept.get(key)
         if processed is not None:
             return list(processed)
-        result: list[Any] = H2Stream._process_received_headers(stream, headers, flags, encoding)
+        try:
+            result: list[Any] = H2Stream._process_received_headers(stream, headers, flags, encoding)
+        except UnicodeDecodeError as exc:
+            # NOTE: h2 decodes names and values with the configured encoding (grpclib's: ascii) and lets a
+            # byte outside it escape `receive_data`: the transport died with a traceback in the log. What h2's
+            # own header validation does instead: a connection error (GOAWAY PROTOCOL_ERROR).
+            raise ProtocolError(f"a header field is not {encoding}: {exc}") from None
         if sum(len(name) + len(value) for name, value in headers) <= _MAX_KEPT_BLOCK:
             if len(kept) >= _MAX_KEPT:
                 kept.clear()

@@ -8,6 +8,7 @@ connection's flow-control window is not leaked and the connection keeps serving.
 
 The same wrapper bounds how long a call with a single request message may take to deliver it
 (`receive_timeout_s`, DEADLINE_EXCEEDED): otherwise a client could park handlers by sending headers only.
+A stream that ends without that message is INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -117,24 +118,37 @@ class MessageSizeLimit:
         self.receive_timeout_s = receive_timeout_s
 
     async def __call__(self, event: RecvRequest) -> None:
-        method_func = event.method_func
+        event.method_func = self.wrap_method(event.method_func)
+
+    def wrap_method(self, method_func: Any) -> Any:
+        """`method_func` with its stream's reads bounded: what the listener makes of every call's method
+        (api/fast_path.py applies it to the calls it serves itself)."""
         max_size = self.max_receive_message_size
         timeout_s = self.receive_timeout_s
 
         async def bounded_method(stream: Stream[Any, Any]) -> None:
-            is_first = [timeout_s is not None and not stream._cardinality.client_streaming]
+            is_first = [not stream._cardinality.client_streaming]
 
             async def recv_message() -> Any:
-                if is_first[0] and timeout_s is not None:
-                    is_first[0] = False
-                    return await _recv_first_in_time(stream, max_size, timeout_s)
-                return await _recv_bounded(stream, max_size)
+                if not is_first[0]:
+                    return await _recv_bounded(stream, max_size)
+                is_first[0] = False
+                if timeout_s is None:
+                    message = await _recv_bounded(stream, max_size)
+                else:
+                    message = await _recv_first_in_time(stream, max_size, timeout_s)
+                if message is None:
+                    # NOTE: the client ended a single-message call's stream without its message. grpclib hands
+                    # the method None, which methods do not expect (grpclib's health Check asserts): UNKNOWN
+                    # and a traceback in the log per call.
+                    raise GRPCError(Status.INVALID_ARGUMENT, "missing request message: the stream ended")
+                return message
 
             # NOTE: an instance attribute shadows the method; `async for msg in stream` goes through it too.
             stream.recv_message = recv_message  # type: ignore[method-assign]
             await method_func(stream)
 
-        event.method_func = bounded_method
+        return bounded_method
 
 
 def install_message_size_limit(
