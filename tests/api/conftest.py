@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
+from fuzz_calls import log_kept_clean
 from grpclib.client import Channel
 from serverproc import RunningServer, start_server
 
@@ -23,6 +24,18 @@ def embed_server() -> Iterator[RunningServer]:
     model_dir = Path(minilm.__file__).parent / "model"
     with start_server("--model", str(model_dir), "--in-process-engine") as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def port(server: RunningServer) -> int:
+    """The shared server's port, for tests that open their own connections (the fuzz tests)."""
+    return server.port
+
+
+@pytest.fixture(scope="module")
+def server_log_clean(server: RunningServer) -> Iterator[None]:
+    """For a module (`usefixtures`): the shared server logs nothing unexpected while its tests run."""
+    yield from log_kept_clean(server)
 
 
 @pytest.fixture

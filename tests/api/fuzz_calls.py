@@ -116,19 +116,18 @@ async def call_and_settle(port: int, path: str, request: Any, reply_type: type[M
     return outcome
 
 
-def check(outcome: Outcome, request: Any, allowed: frozenset[Status] = CLIENT_ERRORS) -> None:
+def check(outcome: Outcome, request: Any) -> None:
     # counted by pytest --hypothesis-show-statistics
     event(f"{outcome.status.name}{' (cancelled)' if outcome.cancelled else ''}")
     if outcome.status == Status.OK:
         return
-    assert outcome.status in allowed, f"{outcome.status.name}: {outcome.message!r} for\n{request}"
+    assert outcome.status in CLIENT_ERRORS, f"{outcome.status.name}: {outcome.message!r} for\n{request}"
     assert outcome.message, f"{outcome.status.name} without a message for\n{request}"
 
 
 def run(coroutine: Any) -> Outcome:
     result: Outcome = asyncio.run(coroutine)
     return result
-
 
 
 def assert_log_clean(log: str) -> None:
@@ -142,7 +141,6 @@ def log_kept_clean(server: RunningServer) -> Iterator[None]:
     yield
     time.sleep(0.2)  # what the last call's teardown logs
     assert_log_clean(server.log()[start:])
-
 
 
 def engine_base() -> generate_pb2.GenerateRequest:

@@ -32,7 +32,6 @@ from fuzz_calls import (
     check_generated,
     engine_base,
     fuzz_settings,
-    log_kept_clean,
     run,
     settled,
 )
@@ -40,20 +39,13 @@ from fuzz_proto import MessageFuzzer
 from google.protobuf.message import Message
 from hypothesis import given
 from hypothesis import strategies as st
-from serverproc import RunningServer, start_server
+from serverproc import start_server
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 
 fuzzer = MessageFuzzer(small=1100)
 
 
-@pytest.fixture(scope="module")
-def port(server: RunningServer) -> int:
-    return server.port
-
-
-@pytest.fixture(scope="module", autouse=True)
-def log_stays_clean(server: RunningServer) -> Iterator[None]:
-    yield from log_kept_clean(server)
+pytestmark = pytest.mark.usefixtures("server_log_clean")
 
 
 def vllm_base() -> vllm_pb.GenerateRequest:

@@ -8,8 +8,6 @@ seeded request gives the same tokens again.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from engine_proto.engine.v1 import generate_pb2
 from fuzz_calls import (
@@ -19,13 +17,11 @@ from fuzz_calls import (
     call_and_settle,
     check_generated,
     fuzz_settings,
-    log_kept_clean,
     run,
 )
 from grpclib.const import Status
 from hypothesis import given
 from hypothesis import strategies as st
-from serverproc import RunningServer
 
 _ids = st.integers(0, VOCAB_SIZE - 1)
 _unit = st.floats(0.0, 1.0)
@@ -88,14 +84,7 @@ def valid_requests(draw: st.DrawFn) -> generate_pb2.GenerateRequest:
     return request
 
 
-@pytest.fixture(scope="module")
-def port(server: RunningServer) -> int:
-    return server.port
-
-
-@pytest.fixture(scope="module", autouse=True)
-def log_stays_clean(server: RunningServer) -> Iterator[None]:
-    yield from log_kept_clean(server)
+pytestmark = pytest.mark.usefixtures("server_log_clean")
 
 
 def generate(port: int, request: generate_pb2.GenerateRequest) -> Outcome:

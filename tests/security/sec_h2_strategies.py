@@ -19,6 +19,7 @@ from h2.connection import H2Connection
 from hpack import Encoder
 from hypothesis import strategies as st
 from sec_h2_frames import PREFACE, SETTINGS, frame
+from sec_raw_h2 import grpc_headers
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 
 GENERATE = "/engine.v1.EngineService/Generate"
@@ -75,8 +76,7 @@ PATHS = (GENERATE, GENERATE, GENERATE, VLLM_GENERATE, VLLM_GENERATE, *REQUESTS)
 
 
 def request_headers(path: str) -> list[tuple[str, str]]:
-    return [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "fuzz"),
-            ("content-type", "application/grpc"), ("te", "trailers")]
+    return grpc_headers(1, path)  # (the server ignores :authority)
 
 
 def grpc_message(body: bytes, *, is_compressed: int = 0, length: int | None = None) -> bytes:

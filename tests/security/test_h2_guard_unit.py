@@ -29,6 +29,8 @@ from sec_raw_h2 import grpc_frame, grpc_headers, text_headers
 
 GENERATE = "/engine.v1.EngineService/Generate"
 TOKENIZE = "/engine.v1.EngineService/Tokenize"
+# the fast path's task, grpclib's request_handler, grpclib's own service
+CALLED_PATHS = (GENERATE, TOKENIZE, "/grpc.health.v1.Health/Check")
 MESSAGE = grpc_frame(generate_pb2.GenerateRequest(request_id="u").SerializeToString())
 
 
@@ -74,6 +76,17 @@ class Peer:
             stream_id = self.conn.get_next_available_stream_id()
             self.conn.send_headers(stream_id, grpc_headers(1, GENERATE))
             self.conn.send_data(stream_id, MESSAGE, end_stream=True)
+            stream_ids.append(stream_id)
+        self.send()
+        return stream_ids
+
+    def call_each(self, paths: tuple[str, ...], metadata: list[tuple[str, str]]) -> list[int]:
+        """One call per path, each with the metadata and an empty message."""
+        stream_ids = []
+        for path in paths:
+            stream_id = self.conn.get_next_available_stream_id()
+            self.conn.send_headers(stream_id, [*grpc_headers(1, path), *metadata])
+            self.conn.send_data(stream_id, grpc_frame(b""), end_stream=True)
             stream_ids.append(stream_id)
         self.send()
         return stream_ids
@@ -244,15 +257,7 @@ async def test_a_call_whose_deadline_passed_on_arrival_is_deadline_exceeded(
     fast_path = functools.partial(FastPathHandler, fast_methods=(GENERATE,))
     server = build_server([FakeEngineService(engine), Health()], SecurityConfig(), handler_factory=fast_path)
     peer = Peer(server._protocol_factory())
-    # the fast path's task, grpclib's request_handler, grpclib's own service
-    paths = (GENERATE, TOKENIZE, "/grpc.health.v1.Health/Check")
-    stream_ids = []
-    for path in paths:
-        stream_id = peer.conn.get_next_available_stream_id()
-        peer.conn.send_headers(stream_id, [*grpc_headers(1, path), ("grpc-timeout", "1n")])
-        peer.conn.send_data(stream_id, grpc_frame(b""), end_stream=True)
-        stream_ids.append(stream_id)
-    peer.send()
+    stream_ids = peer.call_each(CALLED_PATHS, [("grpc-timeout", "1n")])
     await _settle(peer.protocol)
     assert _statuses(peer) == dict.fromkeys(stream_ids, str(Status.DEADLINE_EXCEEDED.value))
     assert engine.num_running == 0
@@ -310,13 +315,7 @@ async def test_binary_metadata_that_is_not_base64_is_invalid_argument(
     server = build_server([FakeEngineService(engine), Health()], config, handler_factory=fast_path)
     peer = Peer(server._protocol_factory())
     metadata = [("authorization", "Bearer unit-test-api-key-0123456789"), ("x-trace-bin", "not base64!")]
-    stream_ids = []
-    for path in (GENERATE, TOKENIZE, "/grpc.health.v1.Health/Check"):
-        stream_id = peer.conn.get_next_available_stream_id()
-        peer.conn.send_headers(stream_id, [*grpc_headers(1, path), *metadata])
-        peer.conn.send_data(stream_id, grpc_frame(b""), end_stream=True)
-        stream_ids.append(stream_id)
-    peer.send()
+    stream_ids = peer.call_each(CALLED_PATHS, metadata)
     await _settle(peer.protocol)
     assert _statuses(peer) == dict.fromkeys(stream_ids, str(Status.INVALID_ARGUMENT.value))
     assert engine.num_started == 0
