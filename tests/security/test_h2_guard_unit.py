@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from typing import Any
 
 import pytest
 from engine_proto.engine.v1 import generate_pb2
-from engine_server.api.fast_path import DirectCall, FastPathHandler
+from engine_server.api.fast_path import DirectCall, DirectStart, FastPathHandler
 from engine_server.api.security import H2Policy, SecurityConfig, build_server
 from engine_server.api.security.budget import GuardStats, TokenBucket
 from engine_server.api.security.guarded_server import GuardedServer
@@ -247,21 +248,76 @@ async def test_a_request_without_method_or_path_is_reset_as_malformed(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def _never_started(started: list[Stream[Any, Any]]) -> DirectStart:
+    def start(call: Stream[Any, Any], body: bytes, direct: DirectCall) -> bool:
+        started.append(call)
+        return False
+    return start
+
+
+# build_server's own handler, and the fast path (Generate's direct start, recording whether it ran)
+_HANDLERS = pytest.mark.parametrize("handler", ["default", "fast path"])
+
+
+def _handler_factory(handler: str, started: list[Stream[Any, Any]]) -> dict[str, Any]:
+    if handler == "default":
+        return {}
+    direct = {GENERATE: _never_started(started)}
+    return {"handler_factory": functools.partial(FastPathHandler, fast_methods=(GENERATE,), direct=direct)}
+
+
+@_HANDLERS
 async def test_a_call_whose_deadline_passed_on_arrival_is_deadline_exceeded(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, handler: str
 ) -> None:
     # grpclib's DeadlineWrapper raises TimeoutError when started on a deadline already passed, before it
     # counts as cancelled: "Timeout occurred" with a traceback in the log, and UNKNOWN for the client.
-    # (test_h2_fuzz.py has the direct call that this also left holding its engine request.)
+    # Nothing is started for such a call: neither the direct start nor the engine request.
     engine = FakeEngine()
-    fast_path = functools.partial(FastPathHandler, fast_methods=(GENERATE,))
-    server = build_server([FakeEngineService(engine), Health()], SecurityConfig(), handler_factory=fast_path)
+    started: list[Stream[Any, Any]] = []
+    server = build_server([FakeEngineService(engine), Health()], SecurityConfig(),
+                          **_handler_factory(handler, started))
     peer = Peer(server._protocol_factory())
     stream_ids = peer.call_each(CALLED_PATHS, [("grpc-timeout", "1n")])
     await _settle(peer.protocol)
     assert _statuses(peer) == dict.fromkeys(stream_ids, str(Status.DEADLINE_EXCEEDED.value))
-    assert engine.num_running == 0
-    assert engine.num_aborted == engine.num_started  # (the fast path's Generate starts, then is cancelled)
+    assert started == []
+    assert engine.num_started == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    peer.protocol.connection_lost(None)
+    await _settle(peer.protocol)
+
+
+async def test_a_direct_call_resumed_after_its_deadline_gives_back_what_it_held(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Found by the fuzzer: a direct call went on to a task (its response headers could not be written
+    # directly) after its deadline had passed; grpclib's DeadlineWrapper raised before the method's rest
+    # ran: UNKNOWN, "Timeout occurred" in the log, and what the call held never given back.
+    held: list[object] = []
+
+    async def rest(call: Stream[Any, Any]) -> None:  # the method's rest: it gives back what the call holds
+        try:
+            await asyncio.sleep(WAIT_S)
+        finally:
+            held.remove(call)
+
+    def start(call: Stream[Any, Any], body: bytes, direct: DirectCall) -> bool:
+        held.append(call)
+        direct.on_cancel = lambda: held.remove(call)
+        time.sleep(0.3)  # (its deadline passes here)
+        direct.continue_in_task(rest)
+        return True
+
+    fast_path = functools.partial(FastPathHandler, fast_methods=(GENERATE,), direct={GENERATE: start})
+    server = build_server([FakeEngineService(FakeEngine())], SecurityConfig(), handler_factory=fast_path)
+    peer = Peer(server._protocol_factory())
+    (stream_id,) = peer.call_each((GENERATE,), [("grpc-timeout", "200m")])
+    await asyncio.sleep(0)  # the direct start (a loop callback), which hands the call to a task
+    await _settle(peer.protocol)
+    assert _statuses(peer) == {stream_id: str(Status.DEADLINE_EXCEEDED.value)}
+    assert held == []
+    assert server.guard_stats.num_direct_calls == 1
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     peer.protocol.connection_lost(None)
     await _settle(peer.protocol)
@@ -299,25 +355,23 @@ async def test_a_direct_call_whose_task_is_cancelled_before_it_ran_gives_back_wh
     await _settle(peer.protocol)
 
 
+@_HANDLERS
 async def test_binary_metadata_that_is_not_base64_is_invalid_argument(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, handler: str
 ) -> None:
     # Found by the fuzzer: grpclib's decode_metadata raises binascii.Error for it. On request_handler's path
     # that was "Server error" in the log and a stream never answered; in a direct call's first step (a loop
     # callback: the API key check reads the metadata there) "Exception in callback" and the same silence.
     engine = FakeEngine()
-
-    def start(call: Stream[Any, Any], body: bytes, direct: DirectCall) -> bool:
-        return False  # (served on its task, as a streamed Generate the server cannot take directly)
-
-    fast_path = functools.partial(FastPathHandler, fast_methods=(GENERATE,), direct={GENERATE: start})
+    started: list[Stream[Any, Any]] = []
     config = SecurityConfig(api_key="unit-test-api-key-0123456789")
-    server = build_server([FakeEngineService(engine), Health()], config, handler_factory=fast_path)
+    server = build_server([FakeEngineService(engine), Health()], config, **_handler_factory(handler, started))
     peer = Peer(server._protocol_factory())
     metadata = [("authorization", "Bearer unit-test-api-key-0123456789"), ("x-trace-bin", "not base64!")]
     stream_ids = peer.call_each(CALLED_PATHS, metadata)
     await _settle(peer.protocol)
     assert _statuses(peer) == dict.fromkeys(stream_ids, str(Status.INVALID_ARGUMENT.value))
+    assert started == []
     assert engine.num_started == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     peer.protocol.connection_lost(None)

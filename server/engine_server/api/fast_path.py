@@ -101,7 +101,9 @@ class FastPathHandler(Handler):
             admitted, metadata = self._admitted(direct.headers, headers_map[":path"])
             call = self._new_call(stream, headers_map, method, deadline)
             call.metadata = metadata
-            if admitted:
+            # NOTE: a call whose deadline passed already (on arrival, or in a pause before this step) is not
+            # started: its task ends it with DEADLINE_EXCEEDED before the engine sees its request (`_handle`)
+            if admitted and not _has_passed(deadline):
                 direct.call = call
                 try:
                     started = start(call, body, direct)
@@ -229,7 +231,8 @@ class FastPathHandler(Handler):
         if call is None:
             call = self._new_call(stream, headers_map, method, deadline)
         call.recv_message = _Once(call, request)  # type: ignore[method-assign]
-        await self._serve_and_release(stream, call, headers, method.func, release_stream)
+        method_func = _deadline_exceeded if _has_passed(deadline) else method.func
+        await self._serve_and_release(stream, call, headers, method_func, release_stream)
 
     async def _serve_and_release(self, stream: Any, call: Stream[Any, Any], headers: list[tuple[str, str]],
                                  method_func: Callable[[Stream[Any, Any]], Awaitable[None]],
@@ -266,7 +269,7 @@ class FastPathHandler(Handler):
             deadline = Deadline.from_headers(headers)
         except ValueError:
             return None  # (request_handler answers it: UNKNOWN, "Invalid grpc-timeout header")
-        if deadline is not None and not deadline.time_remaining():  # (passed on arrival: nothing to start)
+        if _has_passed(deadline):  # (on arrival: nothing to start)
             return self._new_call(stream, headers_map, method, None), _deadline_exceeded
         bounded = self._size_limit.wrap_method(method.func)
         return self._new_call(stream, headers_map, method, deadline), bounded
@@ -405,6 +408,10 @@ DirectStart = Callable[[Stream[Any, Any], bytes, DirectCall], bool]
 
 async def _deadline_exceeded(call: Stream[Any, Any]) -> None:
     raise GRPCError(Status.DEADLINE_EXCEEDED)
+
+
+def _has_passed(deadline: Deadline | None) -> bool:
+    return deadline is not None and not deadline.time_remaining()
 
 
 def _decoded_metadata(headers: list[tuple[str, str]]) -> _Metadata:

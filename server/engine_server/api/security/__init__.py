@@ -44,6 +44,7 @@ Building blocks (usable on their own):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from typing import Any
 
@@ -72,10 +73,18 @@ def build_server(
 ) -> GuardedServer:
     """A grpclib server for `handlers` with every protection of `config` installed.
 
-    `server_kwargs` go to grpclib's Server (codec, status_details_codec); call it inside the event loop.
+    `server_kwargs` go to GuardedServer (handler_factory) and grpclib's Server (codec, status_details_codec);
+    call it inside the event loop. The default handler is the fast path's with no fast method: grpclib's
+    request_handler for every call, except calls with a deadline or binary metadata, which it mishandles
+    (fast_path.FastPathHandler._call_to_serve).
     The API-key check is installed first: RecvRequest listeners the caller adds afterwards (metrics) see
     unauthenticated calls with their UNAUTHENTICATED status, but no servicer runs for them.
     """
+    if "handler_factory" not in server_kwargs:
+        # NOTE: imported here: fast_path imports modules of this package
+        from engine_server.api.fast_path import FastPathHandler
+
+        server_kwargs["handler_factory"] = functools.partial(FastPathHandler, fast_methods=())
     cert_reload = None
     if config.tls_cert_file and config.tls_key_file and config.tls_reload_interval_s is not None:
         cert_reload = (config.tls_cert_file, config.tls_key_file, config.tls_reload_interval_s)
