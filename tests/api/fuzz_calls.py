@@ -1,4 +1,4 @@
-"""What the fuzz tests share: hypothesis settings, one call with its outcome, the checks every outcome and
+"""What the API fuzz tests share: one call with its outcome, the checks every outcome and
 every successful Generate stream must pass, and the wait for the engine to settle."""
 
 from __future__ import annotations
@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,26 +19,8 @@ from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 from h2.exceptions import StreamClosedError
-from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import event
 from serverproc import RunningServer
-
-_EXAMPLES = int(os.environ.get("ENGINE_FUZZ_EXAMPLES", "0"))
-
-
-def fuzz_settings(ci_examples: int) -> Callable[[Any], Any]:
-    """CI: a fixed set of examples, a failure reported as drawn (shrinking it can outlast the test's timeout).
-    ENGINE_FUZZ_EXAMPLES=N: N random examples, failures shrunk."""
-    return settings(
-        max_examples=_EXAMPLES or ci_examples,
-        derandomize=not _EXAMPLES,
-        phases=tuple(Phase) if _EXAMPLES else tuple(p for p in Phase if p is not Phase.shrink),
-        database=None,
-        deadline=None,
-        suppress_health_check=[
-            HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example,
-        ],
-    )
-
 
 # What a client may be told about its own request; anything else is the server's fault.
 CLIENT_ERRORS = frozenset({

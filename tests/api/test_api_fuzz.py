@@ -31,11 +31,11 @@ from fuzz_calls import (
     check,
     check_generated,
     engine_base,
-    fuzz_settings,
     run,
     settled,
 )
 from fuzz_proto import MessageFuzzer
+from fuzz_settings import fuzz_settings
 from google.protobuf.message import Message
 from hypothesis import given
 from hypothesis import strategies as st

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 import pytest
 from engine_proto.engine.v1 import embed_pb2, info_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
-from fuzz_calls import ENGINE_PREFIX, call, check, fuzz_settings, log_kept_clean, run
+from fuzz_calls import ENGINE_PREFIX, call, check, log_kept_clean, run
 from fuzz_proto import MessageFuzzer
+from fuzz_settings import fuzz_settings
 from grpclib.client import Channel
 from grpclib.const import Status
 from hypothesis import given

@@ -16,9 +16,9 @@ from fuzz_calls import (
     Outcome,
     call_and_settle,
     check_generated,
-    fuzz_settings,
     run,
 )
+from fuzz_settings import fuzz_settings
 from grpclib.const import Status
 from hypothesis import given
 from hypothesis import strategies as st

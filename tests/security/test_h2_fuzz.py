@@ -11,9 +11,8 @@ byte stream (sec_h2_ops.py, sec_h2_strategies.py) on a fresh connection, then ch
 4) a fresh connection's Generate call is OK and GetLoad shows an idle engine with every KV block free;
 5) the server logged no error, traceback or unretrieved exception.
 
-Deterministic (derandomized, no example database) and sized for CI, where a failing example is reported as
-drawn (shrinking can take minutes). Locally: ENGINE_FUZZ_EXAMPLES=2000 runs that many examples per test and
-shrinks what fails; ENGINE_FUZZ_SHRINK=1 shrinks at the CI size.
+Sized for CI and deterministic; ENGINE_FUZZ_EXAMPLES=N hunts with N random examples per test
+(tests/fuzz_settings.py).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +32,13 @@ from engine_server.api.handle import EngineHandle
 from engine_server.api.server import EngineServer
 from engine_server.engine.config import EngineConfig
 from engine_server.frontend.async_engine import AsyncEngine
+from engine_server.frontend.outputs import GenerateRequest
+from engine_server.frontend.stream import RequestStream
+from fuzz_settings import NUM_EXAMPLES, fuzz_settings
 from grpclib.const import Status
 from h2.events import DataReceived, ResponseReceived, TrailersReceived
 from h2.settings import SettingCodes
-from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import event, given
 from sec_fakes import WAIT_S
 from sec_h2_frames import PING, ServerFrames, frame, reference_verdict
 from sec_h2_ops import HEADER_FATAL_OPS, HEADER_OPS, frame_scripts
@@ -47,21 +48,8 @@ from sec_raw_h2 import RawH2, raw_h2, text_headers
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 GET_LOAD = "/engine.v1.EngineService/GetLoad"
-NUM_EXAMPLES = int(os.environ.get("ENGINE_FUZZ_EXAMPLES", "0"))  # 0: the CI sizes below
-IS_SHRINKING = bool(NUM_EXAMPLES or os.environ.get("ENGINE_FUZZ_SHRINK"))
 ANSWER_S = 5.0  # for a PING ACK, the streams' ends, a close: the engine serves each call in milliseconds
 _LOG_MARKERS = ("Traceback", "Exception in callback", "Task exception was never retrieved")
-
-
-def fuzz_settings(num_examples: int) -> settings:
-    phases = tuple(Phase) if IS_SHRINKING else tuple(p for p in Phase if p is not Phase.shrink)
-    return settings(
-        max_examples=NUM_EXAMPLES or num_examples, derandomize=True, database=None, deadline=None,
-        phases=phases, print_blob=False,
-        # NOTE: one server for every example (a module fixture); what makes an example slow is the server
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                               HealthCheck.data_too_large],
-    )
 
 
 # NOTE: the directory's 60 s bound per test, or room for a longer hunt and its shrinking
@@ -251,10 +239,14 @@ async def test_a_generate_past_its_deadline_on_arrival_gives_everything_back(
     # all (test_h2_guard_unit.py has the direct call whose deadline passes after its start).
     stats = target.server._server.guard_stats
     num_direct = stats.num_direct_calls
-    generated: list[object] = []  # the requests that reached the engine
+    generated: list[GenerateRequest] = []  # the requests that reached the engine
     generate = target.engine.generate
-    monkeypatch.setattr(target.engine, "generate",
-                        lambda request: generated.append(request) or generate(request))
+
+    def recorded_generate(request: GenerateRequest) -> RequestStream:
+        generated.append(request)
+        return generate(request)
+
+    monkeypatch.setattr(target.engine, "generate", recorded_generate)
     async with raw_h2(target.server.port, metadata=(("grpc-timeout", "1n"),)) as raw:
         raw.conn.update_settings({SettingCodes.HEADER_TABLE_SIZE: 1 << 16})
         stream_id = raw.start_call(GENERATE, generate_request(3))
