@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+from typing import cast
 
 import pytest
 from engine_client import (
@@ -23,9 +24,12 @@ from engine_client import (
     TLSConfig,
     UnavailableError,
     UnimplementedError,
+    _convert,
 )
 from engine_client.errors import EngineError, error_from_status
 from engine_client.options import with_overrides
+from engine_client.types import EngineState, FinishReason, ModelTask
+from engine_proto.engine.v1 import info_pb2
 
 EXPECTED = {
     StatusCode.CANCELLED: RequestCancelledError,
@@ -126,3 +130,12 @@ def test_retry_delays_grow_and_are_bounded() -> None:
     assert list(RetryPolicy(max_attempts=1).delays()) == []
     with pytest.raises(ValueError, match="max_attempts"):
         RetryPolicy(max_attempts=0)
+
+
+@pytest.mark.parametrize("number", [-2, -1, 99])
+def test_enum_numbers_no_version_names_convert_to_unknown(number: int) -> None:
+    # (open enums: a server may send any int32; negative numbers used to index the tables from their end)
+    assert _convert.finish_reason(number) is FinishReason.UNKNOWN
+    assert _convert.engine_state(number) is EngineState.UNSPECIFIED
+    response = info_pb2.GetModelInfoResponse(task=cast(info_pb2.ModelTask.ValueType, number))
+    assert _convert.model_info(response).task is ModelTask.UNSPECIFIED

@@ -1,12 +1,16 @@
-"""grpclib specifics: channel construction, size-limited codec, and exception translation."""
+"""grpclib specifics: channel construction, size-limited codec, checked response reads, error translation."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
-from typing import TYPE_CHECKING
+import struct
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
-from grpclib.client import Channel
+from google.protobuf.message import DecodeError
+from grpclib.client import Channel, Stream
 from grpclib.config import Configuration
 from grpclib.const import Status
 from grpclib.encoding.proto import ProtoCodec
@@ -20,6 +24,48 @@ if TYPE_CHECKING:
 
 # What a grpclib call can raise besides CancelledError; everything else is a bug and propagates as it is.
 TRANSPORT_ERRORS = (GRPCError, StreamTerminatedError, ProtocolError, OSError, asyncio.TimeoutError)
+
+# What grpclib's client raises, unchecked, for a response it cannot read: headers without :status (KeyError),
+# "-bin" metadata or status details that are not base64 (binascii.Error, a ValueError), status details or a
+# message that do not parse (DecodeError), a message that claims compression (NotImplementedError), a stream
+# that ends inside a message (AssertionError) or inside its 5-byte prefix (struct.error).
+_MALFORMED_RESPONSE = (KeyError, ValueError, DecodeError, NotImplementedError, AssertionError, struct.error)
+
+
+class _CheckedStream(Stream[Any, Any]):
+    """grpclib's client call whose every read of the server's response fails with INTERNAL (as grpcio and
+    grpc-go report a malformed response) instead of one of the errors above, which no caller expects."""
+
+    async def recv_initial_metadata(self) -> None:
+        with _malformed_is_internal():
+            await super().recv_initial_metadata()
+
+    async def recv_message(self) -> Any:
+        with _malformed_is_internal():
+            return await super().recv_message()
+
+    async def recv_trailing_metadata(self) -> None:
+        with _malformed_is_internal():
+            await super().recv_trailing_metadata()
+
+    def _maybe_raise(self) -> None:  # (the status of a call whose stream was reset or whose connection died)
+        with _malformed_is_internal():
+            super()._maybe_raise()
+
+
+@contextlib.contextmanager
+def _malformed_is_internal() -> Iterator[None]:
+    try:
+        yield
+    except _MALFORMED_RESPONSE as exc:
+        raise GRPCError(Status.INTERNAL, f"malformed response from the server: {exc!r}") from None
+
+
+class _CheckedChannel(Channel):
+    def request(self, *args: Any, **kwargs: Any) -> Stream[Any, Any]:
+        call = super().request(*args, **kwargs)
+        call.__class__ = _CheckedStream  # NOTE: grpclib builds its Stream inline; the subclass adds no state
+        return call
 
 
 class LimitedProtoCodec(ProtoCodec):
@@ -68,9 +114,9 @@ def open_channel(options: ConnectionOptions) -> Channel:
     address = options.address()
     ssl_ctx = ssl_context(options)
     if isinstance(address, str):
-        return Channel(path=address, ssl=ssl_ctx, config=config, codec=codec)
+        return _CheckedChannel(path=address, ssl=ssl_ctx, config=config, codec=codec)
     host, port = address
-    return Channel(host, port, ssl=ssl_ctx, config=config, codec=codec)
+    return _CheckedChannel(host, port, ssl=ssl_ctx, config=config, codec=codec)
 
 
 def translate(exc: BaseException, *, request_id: str | None = None) -> EngineError:

@@ -25,7 +25,8 @@ from .types import (
     Usage,
 )
 
-# NOTE: index = the proto enum number; numbers past the end map to UNKNOWN/UNSPECIFIED (a newer server).
+# NOTE: index = the proto enum number; numbers past the end (a newer server) and negative ones (enums are
+# open: any int32 parses) map to UNKNOWN/UNSPECIFIED.
 _FINISH = (None, FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
 _STATES = (EngineState.UNSPECIFIED, EngineState.STARTING, EngineState.SERVING, EngineState.DRAINING,
            EngineState.FAILED)
@@ -33,11 +34,11 @@ _TASKS = (ModelTask.UNSPECIFIED, ModelTask.GENERATE, ModelTask.EMBED)
 
 
 def finish_reason(value: int) -> FinishReason | None:
-    return _FINISH[value] if value < len(_FINISH) else FinishReason.UNKNOWN
+    return _FINISH[value] if 0 <= value < len(_FINISH) else FinishReason.UNKNOWN
 
 
 def engine_state(value: int) -> EngineState:
-    return _STATES[value] if value < len(_STATES) else EngineState.UNSPECIFIED
+    return _STATES[value] if 0 <= value < len(_STATES) else EngineState.UNSPECIFIED
 
 
 def logprobs(items: Iterable[generate_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
@@ -152,7 +153,7 @@ def model_info(resp: info_pb2.GetModelInfoResponse) -> ModelInfo:
         served_model_name=resp.served_model_name,
         model_path=resp.model_path,
         architecture=resp.architecture,
-        task=_TASKS[resp.task] if resp.task < len(_TASKS) else ModelTask.UNSPECIFIED,
+        task=_TASKS[resp.task] if 0 <= resp.task < len(_TASKS) else ModelTask.UNSPECIFIED,
         max_context_length=resp.max_context_length,
         vocab_size=resp.vocab_size,
         bos_token_id=sp.bos_token_id if sp.HasField("bos_token_id") else None,

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, TypeVar
 from engine_proto.engine.v1 import info_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from grpclib.client import Channel, UnaryUnaryMethod
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 from . import _convert
 from ._aio_transport import TRANSPORT_ERRORS, open_channel, translate
@@ -150,7 +152,16 @@ class AsyncEngineClient:
         attempts = Attempts(self.options, timeout)
         while True:
             try:
-                return await method(request, timeout=attempts.timeout(), metadata=self._metadata)
+                # NOTE: grpclib's UnaryUnaryMethod.__call__ answers a call that ends OK without its reply with
+                # an `assert`, and ignores a second reply; both are INTERNAL, as in grpc-go
+                async with method.open(timeout=attempts.timeout(), metadata=self._metadata) as call:
+                    await call.send_message(request, end=True)
+                    response = await call.recv_message()
+                    if response is not None and await call.recv_message() is not None:
+                        raise GRPCError(Status.INTERNAL, "the server sent more than one reply")
+                if response is None:  # (after the call's status: an error status is the answer then)
+                    raise GRPCError(Status.INTERNAL, "the server ended the call without its reply")
+                return response
             except TRANSPORT_ERRORS as exc:
                 error = translate(exc)
                 delay = attempts.backoff(error)

@@ -25,6 +25,7 @@ from ._requests import (
 )
 from ._retry import Attempts
 from ._sync_transport import open_channel, translate
+from .errors import StatusCode, error_from_status
 from .options import DEFAULT_TARGET, ConnectionOptions, TLSConfig, with_overrides
 from .params import GenerateOptions, GenerateParams
 from .types import (
@@ -137,12 +138,16 @@ class EngineClient:
         attempts = Attempts(self.options, timeout)
         while True:
             try:
-                return method(request, timeout=attempts.timeout(), metadata=self._metadata)
+                response = method(request, timeout=attempts.timeout(), metadata=self._metadata)
             except grpc.RpcError as exc:
                 error = translate(exc)
                 delay = attempts.backoff(error)
                 if delay is None:
                     raise error from exc
+            else:
+                if response is None:  # NOTE: grpcio's result of a call that ended OK without its message
+                    raise error_from_status(StatusCode.INTERNAL, "the server ended the call without reply")
+                return response
             time.sleep(delay)
 
     def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
