@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -137,24 +138,30 @@ def _call_sync(client: EngineClient, call: str) -> object:
 
 @dataclass(slots=True)
 class Clients:
-    server: RawServer
     aio: AsyncEngineClient
     sync: EngineClient
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def clients() -> AsyncIterator[Clients]:
+async def server() -> AsyncIterator[RawServer]:
     async with raw_server() as server:
-        # retries: one, without waiting (the server answers a retry as it answered the first attempt)
-        options = ConnectionOptions(f"127.0.0.1:{server.port}", timeout=TIMEOUT_S,
-                                    retry=RetryPolicy(max_attempts=2, initial_backoff=0.0, max_backoff=0.0))
-        aio = AsyncEngineClient(options)
-        sync = EngineClient(options)
-        try:
-            yield Clients(server, aio, sync)
-        finally:
-            await aio.close()
-            sync.close()
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def fresh_clients(server: RawServer, reply: Reply) -> AsyncIterator[Clients]:
+    """Both clients, on new connections (what an earlier reply did to a connection stays with it)."""
+    server.reply = reply
+    # retries: one, without waiting (the server answers a retry as it answered the first attempt)
+    options = ConnectionOptions(f"127.0.0.1:{server.port}", timeout=TIMEOUT_S,
+                                retry=RetryPolicy(max_attempts=2, initial_backoff=0.0, max_backoff=0.0))
+    aio = AsyncEngineClient(options)
+    sync = EngineClient(options)
+    try:
+        yield Clients(aio, sync)
+    finally:
+        await aio.close()
+        sync.close()
 
 
 async def _outcome(run: Callable[[], Any]) -> str:
@@ -193,22 +200,22 @@ _LOAD = grpc_message(info_pb2.GetLoadResponse(state=info_pb2.ENGINE_STATE_SERVIN
                  {"INTERNAL", "DEADLINE_EXCEEDED"}, id="two replies"),
 ])
 async def test_a_malformed_reply_is_an_engine_error(
-    clients: Clients, reply: Reply, sync_codes: set[str]
+    server: RawServer, reply: Reply, sync_codes: set[str]
 ) -> None:
-    clients.server.reply = reply
-    assert await _outcome(lambda: _call_async(clients.aio, "load")) == "INTERNAL"
-    # (grpcio reads the reply itself: its code, as it gives it)
-    assert await _outcome(lambda: asyncio.to_thread(_call_sync, clients.sync, "load")) in sync_codes
+    async with fresh_clients(server, reply) as clients:
+        assert await _outcome(lambda: _call_async(clients.aio, "load")) == "INTERNAL"
+        # (grpcio reads the reply itself: its code, as it gives it)
+        assert await _outcome(lambda: asyncio.to_thread(_call_sync, clients.sync, "load")) in sync_codes
 
 
 @fuzz_settings(ci_examples=100)
 @given(case=cases())
-async def test_any_reply_is_a_typed_result_or_an_engine_error(clients: Clients, case: Case) -> None:
-    clients.server.reply = case.reply
-    outcomes = {
-        "async": await _outcome(lambda: _call_async(clients.aio, case.call)),
-        "sync": await _outcome(lambda: asyncio.to_thread(_call_sync, clients.sync, case.call)),
-    }
+async def test_any_reply_is_a_typed_result_or_an_engine_error(server: RawServer, case: Case) -> None:
+    async with fresh_clients(server, case.reply) as clients:
+        outcomes = {
+            "async": await _outcome(lambda: _call_async(clients.aio, case.call)),
+            "sync": await _outcome(lambda: asyncio.to_thread(_call_sync, clients.sync, case.call)),
+        }
     event(f"{case.call}: {outcomes['async']} / {outcomes['sync']}")
     if case.is_well_formed:
         assert outcomes == {"async": "OK", "sync": "OK"}
