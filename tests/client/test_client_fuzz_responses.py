@@ -6,7 +6,7 @@ status and content type, or none; response messages of the call's type drawn fie
 edges: negative enum numbers, huge indexes), bytes that are no message, frames whose length prefix lies or
 that claim compression; trailers with any grpc-status, grpc-message and status details, or a reset, a GOAWAY,
 a closed connection, silence. A reply that is a well-formed gRPC answer (200, a gRPC content type, valid
-messages, exactly one for a unary call, grpc-status 0) must succeed.
+messages, exactly one for a unary call, grpc-status 0) must succeed; the async client must log no error.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -208,9 +209,29 @@ async def test_a_malformed_reply_is_an_engine_error(
         assert await _outcome(lambda: asyncio.to_thread(_call_sync, clients.sync, "load")) in sync_codes
 
 
+async def test_a_header_that_is_not_ascii_ends_the_call_quietly(
+    server: RawServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # grpclib's h2 let a UnicodeDecodeError out of data_received: asyncio logged "Fatal error" with a
+    # traceback and closed the connection under its calls.
+    reply = Reply((*_OK_HEADERS, (b"x-note", b"\xff")), (_LOAD,), "trailers", _OK_TRAILERS)
+    async with fresh_clients(server, reply) as clients:
+        assert await _outcome(lambda: _call_async(clients.aio, "load")) == "UNAVAILABLE"
+    assert _errors_logged(caplog) == []
+
+
+def _errors_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the async client's side logged as errors (grpcio logs a message that does not parse itself)."""
+    return [record.getMessage() for record in caplog.records
+            if record.levelno >= logging.ERROR and not record.name.startswith("grpc._")]
+
+
 @fuzz_settings(ci_examples=100)
 @given(case=cases())
-async def test_any_reply_is_a_typed_result_or_an_engine_error(server: RawServer, case: Case) -> None:
+async def test_any_reply_is_a_typed_result_or_an_engine_error(
+    server: RawServer, case: Case, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.clear()
     async with fresh_clients(server, case.reply) as clients:
         outcomes = {
             "async": await _outcome(lambda: _call_async(clients.aio, case.call)),
@@ -219,3 +240,4 @@ async def test_any_reply_is_a_typed_result_or_an_engine_error(server: RawServer,
     event(f"{case.call}: {outcomes['async']} / {outcomes['sync']}")
     if case.is_well_formed:
         assert outcomes == {"async": "OK", "sync": "OK"}
+    assert _errors_logged(caplog) == []

@@ -10,11 +10,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
-from grpclib.client import Channel, Stream
+from grpclib.client import Channel, Handler, Stream
 from grpclib.config import Configuration
 from grpclib.const import Status
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+from grpclib.protocol import H2Protocol
 
 from .errors import EngineError, StatusCode, error_from_status
 from .options import ConnectionOptions
@@ -61,11 +62,24 @@ def _malformed_is_internal() -> Iterator[None]:
         raise GRPCError(Status.INTERNAL, f"malformed response from the server: {exc!r}") from None
 
 
+class _CheckedProtocol(H2Protocol):
+    def data_received(self, data: bytes) -> None:
+        try:
+            super().data_received(data)
+        except UnicodeDecodeError:
+            # NOTE: h2 decodes header bytes as ASCII (grpclib's setting) and lets one outside it escape: the
+            # transport died with asyncio's "Fatal error" in the log. As grpclib treats h2's ProtocolError:
+            self.processor.close("Protocol error: a header field is not ASCII")
+
+
 class _CheckedChannel(Channel):
     def request(self, *args: Any, **kwargs: Any) -> Stream[Any, Any]:
         call = super().request(*args, **kwargs)
         call.__class__ = _CheckedStream  # NOTE: grpclib builds its Stream inline; the subclass adds no state
         return call
+
+    def _protocol_factory(self) -> H2Protocol:  # (as grpclib's, with the protocol above)
+        return _CheckedProtocol(Handler(), self._config, self._h2_config)
 
 
 class LimitedProtoCodec(ProtoCodec):
