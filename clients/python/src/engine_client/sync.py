@@ -146,7 +146,8 @@ class EngineClient:
                     raise error from exc
             else:
                 if response is None:  # NOTE: grpcio's result of a call that ended OK without its message
-                    raise error_from_status(StatusCode.INTERNAL, "the server ended the call without reply")
+                    raise error_from_status(StatusCode.INTERNAL,
+                                            "the server ended the call without its reply")
                 return response
             time.sleep(delay)
 
