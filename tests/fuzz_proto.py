@@ -4,11 +4,13 @@ A fuzzed request is a valid base request with a random subset of fields overwrit
 drawn field by field from nothing is rejected at its first check, so the deep paths (scheduling, sampling,
 detokenizing, streaming) would never see the odd values. Values lean towards the edges where bugs live:
 0, 1, the type's limits, NaN and infinities, empty and long strings, token ids just past the vocabulary.
+`grpc_message` frames a message for the wire, its flag and length honest or not.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, cast
 
@@ -32,6 +34,11 @@ _INT_LIMITS = {
 }
 _FLOAT32_MAX = 3.4028234663852886e38
 _LENGTH_DELIMITED = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
+
+
+def grpc_message(body: bytes, *, is_compressed: int = 0, length: int | None = None) -> bytes:
+    """A gRPC length-prefixed message; the flag byte and the length may lie."""
+    return struct.pack(">BI", is_compressed, len(body) if length is None else length) + body
 
 
 def _integers(low: int, high: int, small: int) -> st.SearchStrategy[int]:

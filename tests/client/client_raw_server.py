@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -19,11 +18,6 @@ from h2.events import ConnectionTerminated, DataReceived, StreamEnded
 from h2.exceptions import H2Error
 
 Headers = tuple[tuple[bytes, bytes], ...]
-
-
-def grpc_message(body: bytes, *, is_compressed: int = 0, length: int | None = None) -> bytes:
-    """A gRPC length-prefixed message; the flag byte and the length may lie."""
-    return struct.pack(">BI", is_compressed, len(body) if length is None else length) + body
 
 
 @dataclass(frozen=True, slots=True)

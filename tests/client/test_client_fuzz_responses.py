@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from client_raw_server import Headers, RawServer, Reply, grpc_message, raw_server
+from client_raw_server import Headers, RawServer, Reply, raw_server
 from engine_client import AsyncEngineClient, ConnectionOptions, EngineClient, EngineError, RetryPolicy
 from engine_proto.engine.v1 import generate_pb2, info_pb2, tokenize_pb2
-from fuzz_proto import MessageFuzzer
+from fuzz_proto import MessageFuzzer, grpc_message
 from fuzz_settings import fuzz_settings
 from google.protobuf.message import Message
 from hypothesis import event, given

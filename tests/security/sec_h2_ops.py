@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+from fuzz_proto import grpc_message
 from hypothesis import strategies as st
 from sec_h2_frames import (
     CONTINUATION,
@@ -36,7 +37,6 @@ from sec_h2_strategies import (
     Script,
     Step,
     chunked,
-    grpc_message,
     header_block,
     preface,
     request_headers,

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine_proto.engine.v1 import generate_pb2, info_pb2, tokenize_pb2
+from fuzz_proto import grpc_message
 from grpclib.health.v1.health_pb2 import HealthCheckRequest
 from h2.config import H2Configuration
 from h2.connection import H2Connection
@@ -77,11 +78,6 @@ PATHS = (GENERATE, GENERATE, GENERATE, VLLM_GENERATE, VLLM_GENERATE, *REQUESTS)
 
 def request_headers(path: str) -> list[tuple[str, str]]:
     return grpc_headers(1, path)  # (the server ignores :authority)
-
-
-def grpc_message(body: bytes, *, is_compressed: int = 0, length: int | None = None) -> bytes:
-    """A gRPC length-prefixed message; the flag byte and the length may lie."""
-    return struct.pack(">BI", is_compressed, len(body) if length is None else length) + body
 
 
 @dataclass(frozen=True, slots=True)
