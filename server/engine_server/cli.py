@@ -142,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch CPU threads of the engine core (default: torch's, one per core; 1 is often fastest "
         "when other processes share the cores)",
     )
+    _count(
+        engine, "--structured-output-compile-threads", type=positive_int, default=1,
+        help="threads compiling structured-output constraints (JSON schemas, regexes, grammars)",
+    )
+    _seconds(
+        engine, "--structured-output-compile-timeout", default=10.0,
+        help="longest a constraint may take to compile; past it the request is INVALID_ARGUMENT",
+    )
     engine.add_argument(
         "--in-process-engine",
         action="store_true",
@@ -273,6 +281,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
             max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching,
             num_threads=args.num_threads,
+            grammar_compile_threads=args.structured_output_compile_threads,
+            grammar_compile_timeout_s=args.structured_output_compile_timeout,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

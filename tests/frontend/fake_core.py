@@ -109,6 +109,9 @@ class FakeCore:
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting or self._aborted)
 
+    def pop_rejected(self) -> list[tuple[str, RequestError]]:
+        return []
+
     def step(self) -> list[CompletionDelta]:
         if self._crash:
             raise RuntimeError("injected engine failure")

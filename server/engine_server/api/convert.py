@@ -11,7 +11,13 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine_server.engine.types import RequestError, SamplingParams
+from engine_server.engine.types import (
+    RequestError,
+    SamplingParams,
+    StructuralTagItem,
+    StructuredOutput,
+    StructuredOutputKind,
+)
 from engine_server.frontend.outputs import GenerateRequest
 
 if TYPE_CHECKING:
@@ -201,7 +207,9 @@ def to_generate_request(
                            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                            f"context length {max_len}")
     out = msg.output
+    constraint = structured_output(msg.structured_output) if msg.HasField("structured_output") else None
     return GenerateRequest(
+        structured_output=constraint,
         request_id=request_id,
         prompt_token_ids=tuple(prompt),
         params=params,
@@ -210,6 +218,26 @@ def to_generate_request(
         detokenize=out.return_text if out.HasField("return_text") else True,
         skip_special_tokens=out.skip_special_tokens if out.HasField("skip_special_tokens") else True,
     )
+
+
+def structured_output(msg: generate_pb2.StructuredOutput) -> StructuredOutput:
+    """The request's constraint; its shape is checked here, its language where the engine compiles it."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise RequestError("structured_output", "one of json_schema, json_object, regex, grammar, choice or "
+                           "structural_tag must be set")
+    name = f"structured_output.{kind}"
+    if kind == "choice":
+        return StructuredOutput(StructuredOutputKind.CHOICE, choices=tuple(msg.choice.choices),
+                                field_name=name)
+    if kind == "structural_tag":
+        tag = msg.structural_tag
+        return StructuredOutput(
+            StructuredOutputKind.STRUCTURAL_TAG, field_name=name, triggers=tuple(tag.triggers),
+            tags=tuple(StructuralTagItem(t.begin, t.json_schema, t.end) for t in tag.tags))
+    if kind == "json_object":
+        return StructuredOutput(StructuredOutputKind.JSON_OBJECT, field_name=name)
+    return StructuredOutput(StructuredOutputKind(kind), spec=getattr(msg, kind), field_name=name)
 
 
 def abort_ids(msg: generate_pb2.AbortRequest) -> list[str]:

@@ -23,6 +23,7 @@ _FINISH = {
     FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
+    FinishReason.DEAD_END: generate_pb2.FINISH_REASON_CONSTRAINT_DEAD_END,
 }
 
 

@@ -27,6 +27,11 @@ class EngineConfig:
     # torch intra-op threads for the engine's process (None = torch's default). Small models on a
     # busy machine run several times faster with 1: every op's thread barrier waits for a CPU.
     num_threads: int | None = None
+    # Structured output (engine/structured/): threads compiling constraints, the longest a compile may take
+    # (past it the request is INVALID_ARGUMENT), and how many compiled constraints are kept for reuse.
+    grammar_compile_threads: int = 1
+    grammar_compile_timeout_s: float = 10.0
+    grammar_cache_size: int = 256
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -46,5 +51,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks: must be >= 1, got {self.num_kv_blocks}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+        for name in ("grammar_compile_threads", "grammar_cache_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s: must be > 0, got {self.grammar_compile_timeout_s}")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes: must be >= 1, got {self.kv_cache_memory_bytes}")

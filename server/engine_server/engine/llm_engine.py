@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,9 +20,9 @@ from engine_server.engine.config import EngineConfig
 from engine_server.engine.loader import LoadedModel, load_model
 from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.model_runner import ModelRunner, StepLogits
-from engine_server.engine.sampler import Sampler, logprobs_of
+from engine_server.engine.sampler import AllowedTokens, Sampler, logprobs_of
 from engine_server.engine.scheduler import ScheduledSeq, Scheduler
-from engine_server.engine.sequence import Sequence
+from engine_server.engine.sequence import Sequence, SequenceStatus
 from engine_server.engine.types import (
     CompletionDelta,
     EngineOverloaded,
@@ -31,6 +33,10 @@ from engine_server.engine.types import (
     TokenLogprob,
 )
 from engine_server.engine.validation import validate_request
+
+if TYPE_CHECKING:
+    from engine_server.engine.structured.compiler import CompileJob, GrammarCompiler
+    from engine_server.engine.structured.masks import MaskFill, MaskFiller
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +53,7 @@ class _RequestState:
     request: EngineRequest
     seqs: dict[int, Sequence] = field(default_factory=dict)  # live completions by index
     finished_indices: set[int] = field(default_factory=set)
+    compile_job: CompileJob | None = None  # its constraint is compiling; index 0 waits outside the scheduler
 
 
 class LLMEngine:
@@ -73,6 +80,11 @@ class LLMEngine:
                                       max_model_len=loaded.info.max_model_len)
             self.runner.check_model()
         self.sampler = Sampler(vocab_size=loaded.info.vocab_size, eos_token_ids=loaded.info.eos_token_ids)
+        # Structured output: made on the first constrained request (most servers never see one).
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._mask_filler: MaskFiller | None = None
+        self._compiling: dict[str, _RequestState] = {}  # request_id -> state, oldest first
+        self._rejected: list[tuple[str, RequestError]] = []  # refused after admission (their constraint)
         info = loaded.info
         logger.info("loaded %s (%s, %s, %d parameters) on %s as %s; max_model_len %d, "
                     "%d KV blocks of %d tokens", info.model_path, info.architecture, info.task,
@@ -95,8 +107,50 @@ class LLMEngine:
             max_tokens = min(max_tokens, params.max_tokens)
         seq = self._new_sequence(request, 0, list(request.prompt_token_ids), max_tokens)
         seq.num_siblings_to_fork = params.n - 1
-        self._requests[request.request_id] = _RequestState(request, {0: seq})
-        self.scheduler.add(seq)
+        state = _RequestState(request, {0: seq})
+        self._requests[request.request_id] = state
+        if request.structured_output is None:
+            self.scheduler.add(seq)
+            return
+        # NOTE: the request waits for its grammar outside the scheduler; the batch goes on meanwhile
+        seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
+        state.compile_job = self._compiler().submit(request.structured_output)
+        self._compiling[request.request_id] = state
+
+    def _compiler(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:
+            from engine_server.engine.structured.compiler import GrammarCompiler
+
+            info, config = self.model_info, self.config
+            self._grammar_compiler = GrammarCompiler(
+                model_path=info.model_path, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
+                num_threads=config.grammar_compile_threads, timeout_s=config.grammar_compile_timeout_s,
+                cache_size=config.grammar_cache_size)
+        return self._grammar_compiler
+
+    def _admit_compiled(self) -> None:
+        """Requests whose constraint compiled join the scheduler; the failed ones are refused."""
+        now = time.monotonic()
+        for request_id, state in list(self._compiling.items()):
+            assert state.compile_job is not None
+            outcome = state.compile_job.poll(now)
+            if outcome is None:
+                continue
+            del self._compiling[request_id]
+            state.compile_job = None
+            seq = state.seqs[0]
+            if isinstance(outcome, RequestError):
+                del self._requests[request_id]
+                seq.status = SequenceStatus.FINISHED
+                self._rejected.append((request_id, outcome))
+            else:
+                seq.matcher = outcome
+                self.scheduler.add(seq)
+
+    def pop_rejected(self) -> list[tuple[str, RequestError]]:
+        """Requests refused after add_request accepted them (their constraint did not compile), once each."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def _new_sequence(self, request: EngineRequest, index: int, token_ids: list[int],
                       max_tokens: int) -> Sequence:
@@ -158,46 +212,89 @@ class LLMEngine:
         deltas = self._process_aborts()
         if self.runner is None:
             return deltas
-        # 2) schedule and run one flattened forward pass
+        if self._compiling:
+            self._admit_compiled()
+        # 2) schedule and run one flattened forward pass (constrained rows' masks fill meanwhile)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            if self._compiling:  # nothing else to do: wait a little for a grammar rather than spin
+                next(iter(self._compiling.values())).compile_job.wait(0.005)  # type: ignore[union-attr]
             return deltas
+        masks = self._start_masks(sched.scheduled)
         step_logits, ordered = self.runner.execute(sched.scheduled)
+        if masks is not None:
+            masks.wait()  # NOTE: before anything touches a matcher again (a fork copies its parent's)
         # 3) the KV of the scheduled tokens now exists: count it, publish full blocks to the prefix cache
         for s in ordered:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.register_full_blocks(s.seq)
         self._collect_prompt_logprobs(step_logits, ordered)
         # 4) sample for every sequence whose last token was computed (forking n > 1 siblings), emit
-        sample_seqs, rows = self._sampling_rows(step_logits, ordered)
+        sample_seqs, rows, mask_keys = self._sampling_rows(step_logits, ordered)
         if sample_seqs:
             logits = step_logits.logits
             if rows != list(range(logits.shape[0])):  # prompt-logprob rows to skip, or n > 1 forks
                 logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
-            tokens, logprobs = self.sampler(logits, sample_seqs)
-            for seq, token, logprob in zip(sample_seqs, tokens, logprobs, strict=True):
-                deltas.append(self._append_token(seq, token, logprob))
+            allowed, dead_ends = self._allowed_tokens(masks, mask_keys, logits.device)
+            tokens, logprobs = self.sampler(logits, sample_seqs, allowed)
+            for i, (seq, token, logprob) in enumerate(zip(sample_seqs, tokens, logprobs, strict=True)):
+                if i in dead_ends or (seq.matcher is not None and not seq.matcher.consume_token(token)):
+                    deltas.append(self._dead_end(seq))
+                else:
+                    deltas.append(self._append_token(seq, token, logprob))
         return deltas
 
+    def _start_masks(self, scheduled: list[ScheduledSeq]) -> MaskFill | None:
+        """Starts filling the token masks of the constrained sequences that sample this step."""
+        constrained = [s.seq for s in scheduled if s.seq.matcher is not None and s.completes]
+        if not constrained:
+            return None
+        if self._mask_filler is None:
+            from engine_server.engine.structured.masks import MaskFiller
+
+            self._mask_filler = MaskFiller(self.model_info.vocab_size)
+        return self._mask_filler.start(constrained)
+
+    def _allowed_tokens(self, masks: MaskFill | None, mask_keys: list[int | None], device: torch.device
+                        ) -> tuple[AllowedTokens | None, set[int]]:
+        """The sampler's view of this step's masks, and the rows whose constraint allows no token at all."""
+        if masks is None:
+            return None, set()
+        assert self._mask_filler is not None
+        rows = [i for i, key in enumerate(mask_keys) if key is not None]
+        mask = self._mask_filler.allowed(masks.bitmask)
+        mask = mask.index_select(0, torch.tensor([masks.row_of[mask_keys[i]] for i in rows]))  # type: ignore[index]
+        has_any = mask.any(dim=1)
+        dead_ends = {rows[j] for j in torch.nonzero(~has_any).flatten().tolist()}
+        if dead_ends:  # NOTE: sampled from everything only to keep the batch's shapes; dropped
+            mask[~has_any] = True
+        return AllowedTokens(rows, mask.to(device)), dead_ends
+
     def _sampling_rows(self, step_logits: StepLogits, ordered: list[ScheduledSeq]
-                       ) -> tuple[list[Sequence], list[int]]:
+                       ) -> tuple[list[Sequence], list[int], list[int | None]]:
+        """Sequences that sample, their logits rows, and whose token mask each one takes (None: unconstrained;
+        a fork takes its parent's: they start from the same state)."""
         seqs: list[Sequence] = []
         rows: list[int] = []
+        mask_keys: list[int | None] = []
         for s in ordered:
             row = step_logits.sample_rows.get(s.seq.seq_id)
             if row is None:
                 continue
+            key = s.seq.seq_id if s.seq.matcher is not None else None
             if s.seq.is_abort_pending:  # its prompt was computed for its siblings: now it can go
                 self._pending_completion_aborts.append((s.seq.request_id, s.seq.index))
             else:
                 seqs.append(s.seq)
                 rows.append(row)
+                mask_keys.append(key)
             if s.seq.num_siblings_to_fork:
                 # n > 1: the prompt is computed once; siblings sample from the same logits row.
                 for sibling in self._fork(s.seq):
                     seqs.append(sibling)
                     rows.append(row)
-        return seqs, rows
+                    mask_keys.append(key)
+        return seqs, rows, mask_keys
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         state = self._requests[parent.request_id]
@@ -207,6 +304,8 @@ class LLMEngine:
             if index in state.finished_indices:  # aborted before it existed
                 continue
             child = self._new_sequence(state.request, index, list(parent.token_ids), parent.max_tokens)
+            if parent.matcher is not None:  # NOTE: forked before the parent's first token: the start state
+                child.matcher = parent.matcher.deep_copy()
             # NOTE: only full prompt blocks are shared; the child recomputes the partial tail
             # (< block_size tokens) into its own block, so no block is ever written by two owners.
             self.block_manager.share(parent, child, num_shared_blocks)
@@ -247,10 +346,29 @@ class LLMEngine:
             not params.ignore_eos and token in self.model_info.eos_token_ids)
         if is_stop and seq.num_output_tokens >= params.min_tokens:
             delta.finish_reason, delta.stop_token_id = FinishReason.STOP, token
+        elif seq.matcher is not None and seq.matcher.is_stopped():
+            # the constraint's sentence is complete and cannot go on (wins over min_tokens and ignore_eos)
+            delta.finish_reason = FinishReason.STOP
+            if token in params.stop_token_ids or token in self.model_info.eos_token_ids:
+                delta.stop_token_id = token
         elif seq.num_output_tokens >= seq.max_tokens:
             delta.finish_reason = FinishReason.LENGTH
         if delta.finish_reason is not None:
             self._finish(seq)
+        return delta
+
+    def _dead_end(self, seq: Sequence) -> CompletionDelta:
+        """The constraint allows no next token: the completion ends with what it has (no token is added)."""
+        logger.debug("request %s completion %d: constraint dead end (%s)", seq.request_id, seq.index,
+                     seq.matcher.get_error() if seq.matcher is not None else "")
+        delta = CompletionDelta(request_id=seq.request_id, index=seq.index, new_token_ids=[],
+                                finish_reason=FinishReason.DEAD_END)
+        if seq.is_first_output:
+            seq.is_first_output = False
+            if seq.index == 0:
+                delta.num_prompt_tokens = seq.num_prompt_tokens
+                delta.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+        self._finish(seq)
         return delta
 
     def _finish(self, seq: Sequence) -> None:
@@ -269,6 +387,7 @@ class LLMEngine:
             state = self._requests.pop(request_id, None)
             if state is None:
                 continue
+            self._compiling.pop(request_id, None)
             for seq in state.seqs.values():
                 self.scheduler.remove(seq)
             for index in range(state.request.params.n):

@@ -1,6 +1,7 @@
 """Samples one token per row, vectorized across the batch, with per-request knobs (vLLM semantics).
 
 Order: logit_bias -> min_tokens stop masking -> repetition / presence / frequency penalties ->
+structured-output mask (tokens the constraint forbids get -inf) ->
 greedy argmax (temperature 0) or temperature -> top_k / top_p / min_p -> sampling.
 Sampling is an exponential race (argmax of p / q, q ~ Exp(1)); a seeded row draws its q from
 its own torch.Generator, so its tokens do not depend on the rest of the batch.
@@ -8,6 +9,8 @@ Logprobs are computed from log_softmax of the RAW model logits (before any of th
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -34,20 +37,36 @@ def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[i
     return out
 
 
+@dataclass(slots=True)
+class AllowedTokens:
+    """The structured-output constraint of some rows: mask[j] is what rows[j] may sample (never nothing)."""
+
+    rows: list[int]
+    mask: torch.Tensor  # bool [len(rows), vocab]
+
+
+def _only_stops_allowed(allowed: AllowedTokens | None, j: int, stop_ids: torch.Tensor) -> bool:
+    """Whether the constraint allows nothing but stop tokens (then its end wins over min_tokens)."""
+    assert allowed is not None
+    others = allowed.mask[j].clone()
+    others[stop_ids] = False
+    return not bool(others.any())
+
+
 class Sampler:
     def __init__(self, *, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
 
-    def __call__(self, logits: torch.Tensor,
-                 seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 allowed: AllowedTokens | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits [len(seqs), vocab] float32 -> (token id per row, logprob per row or None).
 
         NOTE: rows are picked with index_select, and not at all when every row is wanted: advanced
         indexing (x[idx]) of a [64, 8192] float32 batch took 1.4 ms on CPU, ~10% of a decode step.
         """
         raw = logits
-        x = self._processed(logits, seqs)
+        x = self._processed(logits, seqs, allowed)
         greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0.0]
         sampled = [i for i, s in enumerate(seqs) if s.params.temperature != 0.0]
         if not sampled:
@@ -70,9 +89,11 @@ class Sampler:
                 out_logprobs[i] = lp
         return tokens.tolist(), out_logprobs
 
-    def _processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _processed(self, logits: torch.Tensor, seqs: list[Sequence],
+                   allowed: AllowedTokens | None) -> torch.Tensor:
         x = logits
         copied = False
+        mask_of = {row: j for j, row in enumerate(allowed.rows)} if allowed is not None else {}
         for i, seq in enumerate(seqs):
             p = seq.params
             needs = (p.logit_bias or p.min_tokens > seq.num_output_tokens or p.repetition_penalty != 1.0
@@ -88,8 +109,9 @@ class Sampler:
                                                     dtype=x.dtype))
             if p.min_tokens > seq.num_output_tokens:
                 stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-                if stop_ids:
-                    row[torch.tensor(sorted(stop_ids), device=x.device)] = float("-inf")
+                stop_t = torch.tensor(sorted(stop_ids), device=x.device, dtype=torch.long)
+                if stop_ids and not (i in mask_of and _only_stops_allowed(allowed, mask_of[i], stop_t)):
+                    row[stop_t] = float("-inf")
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(seq.token_ids)), device=x.device)
                 vals = row[seen]
@@ -98,6 +120,11 @@ class Sampler:
                 out_ids = torch.tensor(seq.output_token_ids, device=x.device)
                 counts = torch.bincount(out_ids, minlength=self.vocab_size)[:row.shape[0]].to(x.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+        if allowed is not None and allowed.rows:
+            if not copied:
+                x = logits.clone()
+            rows = torch.tensor(allowed.rows, device=x.device)
+            x.index_copy_(0, rows, x.index_select(0, rows).masked_fill_(~allowed.mask, float("-inf")))
         return x
 
     def _sample(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -69,6 +69,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        # (WAITING_FOR_GRAMMAR: never added; FINISHED: already removed)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 

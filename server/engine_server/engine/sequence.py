@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_server.engine.types import SamplingParams, TokenLogprob
 
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
 
 class SequenceStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its constraint compiles; not in the scheduler yet
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -44,6 +49,9 @@ class Sequence:
     is_abort_pending: bool = False
     # Prompt logprobs accumulate chunk by chunk; they ride on the first delta.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # The structured-output constraint's state, advanced by each sampled token (None: unconstrained).
+    # NOTE: a preemption keeps it: recomputing the KV changes no token.
+    matcher: LLMatcher | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -77,6 +77,8 @@ class SimulatedEngine:
             raise EngineOverloaded(f"the waiting queue is full ({self._max_waiting} requests)")
         if not request.prompt_token_ids:
             raise RequestError("prompt", "must not be empty")
+        if request.structured_output is not None:
+            raise RequestError("structured_output", "the simulated engine does not constrain its output")
         self._waiting.append(request)
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:
@@ -101,6 +103,9 @@ class SimulatedEngine:
 
     def embed(self, inputs: list[list[int]], *, normalize: bool) -> list[list[float]]:
         raise RequestError("model", "the simulated engine does not embed")
+
+    def pop_rejected(self) -> list[tuple[str, RequestError]]:
+        return []  # it refuses constraints at admission (add_request)
 
     def step(self) -> list[CompletionDelta]:
         deltas = self._process_aborts()

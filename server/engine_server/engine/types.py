@@ -20,6 +20,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # aborted by a client, a disconnect, a deadline or shutdown
     ERROR = "error"  # the engine failed while the request was running
+    DEAD_END = "dead_end"  # the structured-output constraint allowed no next token
 
 
 class RequestError(ValueError):
@@ -28,6 +29,7 @@ class RequestError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field_name = field_name
+        self.detail = message
 
 
 class EngineOverloaded(RuntimeError):
@@ -133,6 +135,82 @@ def _unpickle_sampling_params(values: tuple[object, ...]) -> SamplingParams:
     return params
 
 
+class StructuredOutputKind(enum.Enum):
+    """The language a StructuredOutput constrains completions to."""
+
+    JSON_SCHEMA = "json_schema"  # spec: a JSON Schema as text
+    JSON_OBJECT = "json_object"  # any JSON object (no spec)
+    REGEX = "regex"  # spec: a regular expression the whole output matches
+    GRAMMAR = "grammar"  # spec: a Lark grammar (llguidance's dialect)
+    CHOICE = "choice"  # choices: the output is exactly one of them
+    STRUCTURAL_TAG = "structural_tag"  # tags + triggers: tool calls constrained inside free text
+    # spec: a structural tag as JSON, in vLLM's form ({"structures": [...], "triggers": [...]}) or xgrammar's
+    # ({"type": "structural_tag", "format": {...}}); what the vLLM-compatible service receives
+    STRUCTURAL_TAG_JSON = "structural_tag_json"
+
+
+# NOTE: bounds a client's constraint before anything parses it (the contract's documented limit).
+MAX_STRUCTURED_OUTPUT_BYTES = 65_536
+MAX_CHOICES = 4096
+MAX_STRUCTURAL_TAGS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class StructuralTagItem:
+    """One tool-call tag: `begin`, then JSON matching `json_schema` ("" = any JSON value), then `end`."""
+
+    begin: str
+    json_schema: str = ""
+    end: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on every completion of a request (constrained decoding); compiled by the engine core.
+
+    `field_name` is the request field that carried it, so that errors found while compiling name what the
+    client sent. The shape is checked here (cheap, at the edge); the language itself where it compiles.
+    """
+
+    kind: StructuredOutputKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    tags: tuple[StructuralTagItem, ...] = ()
+    triggers: tuple[str, ...] = ()
+    field_name: str = ""
+
+    def __post_init__(self) -> None:
+        name = self.field_name or self.kind.value
+        kind = self.kind
+        size = len(self.spec.encode()) + sum(len(c.encode()) for c in self.choices) + sum(
+            len(t.encode()) for t in self.triggers) + sum(
+            len(t.begin.encode()) + len(t.json_schema.encode()) + len(t.end.encode()) for t in self.tags)
+        if size > MAX_STRUCTURED_OUTPUT_BYTES:
+            raise RequestError(name, f"is {size} bytes; at most {MAX_STRUCTURED_OUTPUT_BYTES} are allowed")
+        takes_spec = kind in (StructuredOutputKind.JSON_SCHEMA, StructuredOutputKind.REGEX,
+                              StructuredOutputKind.GRAMMAR, StructuredOutputKind.STRUCTURAL_TAG_JSON)
+        if takes_spec and not self.spec.strip():
+            raise RequestError(name, "must not be empty")
+        if kind is StructuredOutputKind.CHOICE:
+            if not self.choices:
+                raise RequestError(name, "needs at least one choice")
+            if len(self.choices) > MAX_CHOICES:
+                raise RequestError(name, f"at most {MAX_CHOICES} choices, got {len(self.choices)}")
+            if not all(self.choices):
+                raise RequestError(name, "each choice must be a non-empty string")
+        if kind is StructuredOutputKind.STRUCTURAL_TAG:
+            if not self.tags:
+                raise RequestError(f"{name}.tags", "needs at least one tag")
+            if len(self.tags) > MAX_STRUCTURAL_TAGS:
+                raise RequestError(f"{name}.tags", f"at most {MAX_STRUCTURAL_TAGS}, got {len(self.tags)}")
+            if not self.triggers or not all(self.triggers):
+                raise RequestError(f"{name}.triggers", "needs at least one trigger, each non-empty")
+            for i, tag in enumerate(self.tags):
+                if not any(tag.begin.startswith(trigger) for trigger in self.triggers):
+                    raise RequestError(f"{name}.tags[{i}].begin",
+                                       f"{tag.begin!r} does not start with any of the triggers")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One request as the engine core sees it: token ids in, n completions out."""
@@ -140,9 +218,10 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+    structured_output: StructuredOutput | None = None
 
     def __reduce__(self) -> tuple[type[EngineRequest], tuple[object, ...]]:
-        return EngineRequest, (self.request_id, self.prompt_token_ids, self.params)
+        return EngineRequest, (self.request_id, self.prompt_token_ids, self.params, self.structured_output)
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,7 +135,8 @@ class AsyncEngine:
             raise RequestError("request_id", f"a request with id {request_id!r} is already in flight")
         if len(self._requests) >= self._max_pending:
             raise EngineOverloaded(f"too many pending requests ({self._max_pending}); retry later")
-        engine_request = EngineRequest(request_id, request.prompt_token_ids, request.params)
+        engine_request = EngineRequest(request_id, request.prompt_token_ids, request.params,
+                                       request.structured_output)
         self._validate(engine_request, self.model_info)
         state = RequestState(request, self.tokenizer.backend, self.tokenizer.byte_tables)
         self._requests[request_id] = state

@@ -105,8 +105,19 @@ class _MultiCoreLoop:
                 return
             # 2) One step; 3) each frontend's deltas (and the stats) in one message per frontend.
             if engine.has_unfinished() or self._needs_step:
-                self._send_step(engine.step(), engine.stats())
+                deltas = engine.step()
+                self._reject_after_admission(engine.pop_rejected())
+                self._send_step(deltas, engine.stats())
                 self._needs_step = False
+
+    def _reject_after_admission(self, rejected: list[tuple[str, RequestError]]) -> None:
+        """Requests the engine refused after admitting them (a constraint that did not compile)."""
+        for engine_id, exc in rejected:
+            prefix, _, request_id = engine_id.partition("/")
+            index = int(prefix)
+            self._owned.get(index, {}).pop(engine_id, None)
+            if index in self._conns:
+                self._rejected.setdefault(index, []).append((request_id, ErrorInfo.from_exception(exc)))
 
     def _read(self, conn: Connection) -> None:
         index = next(i for i, c in self._conns.items() if c is conn)
@@ -126,7 +137,8 @@ class _MultiCoreLoop:
                 request = command.request
                 engine_id = prefix + request.request_id
                 try:
-                    engine.add_request(EngineRequest(engine_id, request.prompt_token_ids, request.params))
+                    engine.add_request(EngineRequest(engine_id, request.prompt_token_ids, request.params,
+                                                     request.structured_output))
                     self._owned[index][engine_id] = request.params.n
                 except (RequestError, EngineOverloaded) as exc:
                     self._rejected.setdefault(index, []).append(

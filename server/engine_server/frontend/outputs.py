@@ -6,7 +6,13 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine_server.engine.types import FinishReason, RequestError, SamplingParams, TokenLogprob
+from engine_server.engine.types import (
+    FinishReason,
+    RequestError,
+    SamplingParams,
+    StructuredOutput,
+    TokenLogprob,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -31,6 +37,7 @@ class GenerateRequest:
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: chunks carry token ids only (text is "")
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # the constraint every completion follows
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -33,6 +33,9 @@ const (
 	FinishReason_FINISH_REASON_LENGTH FinishReason = 2
 	// Aborted: by the Abort RPC, a cancelled call, a passed deadline, or a server shutdown.
 	FinishReason_FINISH_REASON_ABORT FinishReason = 3
+	// The request's structured_output constraint allowed no next token: the output so far is a valid prefix of
+	// its language, but incomplete.
+	FinishReason_FINISH_REASON_CONSTRAINT_DEAD_END FinishReason = 4
 )
 
 // Enum value maps for FinishReason.
@@ -42,12 +45,14 @@ var (
 		1: "FINISH_REASON_STOP",
 		2: "FINISH_REASON_LENGTH",
 		3: "FINISH_REASON_ABORT",
+		4: "FINISH_REASON_CONSTRAINT_DEAD_END",
 	}
 	FinishReason_value = map[string]int32{
-		"FINISH_REASON_UNSPECIFIED": 0,
-		"FINISH_REASON_STOP":        1,
-		"FINISH_REASON_LENGTH":      2,
-		"FINISH_REASON_ABORT":       3,
+		"FINISH_REASON_UNSPECIFIED":         0,
+		"FINISH_REASON_STOP":                1,
+		"FINISH_REASON_LENGTH":              2,
+		"FINISH_REASON_ABORT":               3,
+		"FINISH_REASON_CONSTRAINT_DEAD_END": 4,
 	}
 )
 
@@ -103,6 +108,12 @@ type GenerateRequest struct {
 	Stream bool `protobuf:"varint,8,opt,name=stream,proto3" json:"stream,omitempty"`
 	// For `text` input only: add the tokenizer's special tokens (such as BOS). Default: true.
 	AddSpecialTokens *bool `protobuf:"varint,9,opt,name=add_special_tokens,json=addSpecialTokens,proto3,oneof" json:"add_special_tokens,omitempty"`
+	// Constrains every completion to a formal language: a JSON schema, any JSON object, a regular expression, a
+	// grammar, one of a list of strings, or tool-call tags in free text. Default: unset, unconstrained.
+	// See StructuredOutput for how a constrained completion starts and ends and how the constraint combines with
+	// the other knobs. An invalid constraint is INVALID_ARGUMENT naming the field, with the grammar library's
+	// message.
+	StructuredOutput *StructuredOutput `protobuf:"bytes,10,opt,name=structured_output,json=structuredOutput,proto3" json:"structured_output,omitempty"`
 	unknownFields    protoimpl.UnknownFields
 	sizeCache        protoimpl.SizeCache
 }
@@ -213,6 +224,13 @@ func (x *GenerateRequest) GetAddSpecialTokens() bool {
 	return false
 }
 
+func (x *GenerateRequest) GetStructuredOutput() *StructuredOutput {
+	if x != nil {
+		return x.StructuredOutput
+	}
+	return nil
+}
+
 type isGenerateRequest_Input interface {
 	isGenerateRequest_Input()
 }
@@ -238,6 +256,401 @@ func (*GenerateRequest_Text) isGenerateRequest_Input() {}
 
 func (*GenerateRequest_Chat) isGenerateRequest_Input() {}
 
+// StructuredOutput constrains what a completion may contain (constrained decoding). At every step the server
+// masks out each token that cannot continue the constraint's language before sampling, so the output is in the
+// language whatever the model prefers.
+//
+// Where it applies: from the first generated token to the last (the prompt is not checked); each of the n
+// completions is constrained on its own.
+// How it ends a completion: finish_reason STOP as soon as the output is a complete sentence of the language that
+// cannot be extended (a closed JSON object, a regex match with nothing optional left, a choice); where the
+// language allows more but the sentence is already complete, the end-of-sequence token is allowed and ends it
+// (STOP); the end-of-sequence token is never allowed before the sentence is complete. finish_reason LENGTH when
+// max_tokens (or the context length) comes first: the output is then an incomplete prefix. A constraint that
+// allows no next token at all (rare: a grammar that cannot be completed from where it is) ends the completion
+// with FINISH_REASON_CONSTRAINT_DEAD_END instead of sampling outside it.
+// With the other knobs:
+//   - stop strings and stop_token_ids still end the completion where they match (the output may then be
+//     incomplete); a constrained completion ends at its language's end even with ignore_eos.
+//   - min_tokens: the end-of-sequence and stop tokens stay masked until min_tokens, except where the constraint
+//     allows nothing else (then the language's end wins).
+//   - temperature, top_k, top_p, min_p, penalties, logit_bias and seeds apply to the allowed tokens only: a
+//     logit_bias cannot make a disallowed token possible; a seeded request repeats exactly.
+//   - logprobs stay the model's raw distribution (before the constraint, as for every other logits processor),
+//     so they show how far the constraint moved the model; a sampled token may then have a low rank.
+//
+// Limits: all the constraint's strings together at most 65,536 bytes (more is INVALID_ARGUMENT); compiling it
+// must finish within the server's compile timeout (--structured-output-compile-timeout, default 10 s;
+// INVALID_ARGUMENT past it). Compiled constraints are cached, so a repeated one starts at once.
+type StructuredOutput struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The language. Exactly one MUST be set; none is INVALID_ARGUMENT.
+	//
+	// Types that are valid to be assigned to Kind:
+	//
+	//	*StructuredOutput_JsonSchema
+	//	*StructuredOutput_JsonObject
+	//	*StructuredOutput_Regex
+	//	*StructuredOutput_Grammar
+	//	*StructuredOutput_Choice
+	//	*StructuredOutput_StructuralTag
+	Kind          isStructuredOutput_Kind `protobuf_oneof:"kind"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StructuredOutput) Reset() {
+	*x = StructuredOutput{}
+	mi := &file_engine_v1_generate_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StructuredOutput) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StructuredOutput) ProtoMessage() {}
+
+func (x *StructuredOutput) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_v1_generate_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StructuredOutput.ProtoReflect.Descriptor instead.
+func (*StructuredOutput) Descriptor() ([]byte, []int) {
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *StructuredOutput) GetKind() isStructuredOutput_Kind {
+	if x != nil {
+		return x.Kind
+	}
+	return nil
+}
+
+func (x *StructuredOutput) GetJsonSchema() string {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutput_JsonSchema); ok {
+			return x.JsonSchema
+		}
+	}
+	return ""
+}
+
+func (x *StructuredOutput) GetJsonObject() *JsonObject {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutput_JsonObject); ok {
+			return x.JsonObject
+		}
+	}
+	return nil
+}
+
+func (x *StructuredOutput) GetRegex() string {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutput_Regex); ok {
+			return x.Regex
+		}
+	}
+	return ""
+}
+
+func (x *StructuredOutput) GetGrammar() string {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutput_Grammar); ok {
+			return x.Grammar
+		}
+	}
+	return ""
+}
+
+func (x *StructuredOutput) GetChoice() *Choice {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutput_Choice); ok {
+			return x.Choice
+		}
+	}
+	return nil
+}
+
+func (x *StructuredOutput) GetStructuralTag() *StructuralTag {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutput_StructuralTag); ok {
+			return x.StructuralTag
+		}
+	}
+	return nil
+}
+
+type isStructuredOutput_Kind interface {
+	isStructuredOutput_Kind()
+}
+
+type StructuredOutput_JsonSchema struct {
+	// A JSON Schema (draft 2020-12, as text). Supported: type, properties, required, additionalProperties,
+	// items, prefixItems, minItems, maxItems, enum, const, anyOf, oneOf (as anyOf), allOf, $ref and $defs,
+	// string minLength / maxLength / pattern / format (date-time, date, time, email, uuid, ...), number
+	// minimum / maximum / exclusiveMinimum / exclusiveMaximum / multipleOf, object minProperties /
+	// maxProperties / patternProperties. Validation keywords the grammar library cannot enforce (uniqueItems,
+	// contains, not, if / then / else, dependentRequired, dependentSchemas, ...) and unknown formats are
+	// INVALID_ARGUMENT naming them, never silently dropped; annotations (title, description, examples, default,
+	// $schema, $id, $comment) and keys outside JSON Schema's vocabulary are ignored. Output is compact JSON (no
+	// whitespace between tokens) unless the schema's "x-guidance" object says otherwise.
+	JsonSchema string `protobuf:"bytes,1,opt,name=json_schema,json=jsonSchema,proto3,oneof"`
+}
+
+type StructuredOutput_JsonObject struct {
+	// Any JSON object.
+	JsonObject *JsonObject `protobuf:"bytes,2,opt,name=json_object,json=jsonObject,proto3,oneof"`
+}
+
+type StructuredOutput_Regex struct {
+	// A regular expression the whole output must match (Rust regex syntax, anchored at both ends; no
+	// lookaround or backreferences).
+	Regex string `protobuf:"bytes,3,opt,name=regex,proto3,oneof"`
+}
+
+type StructuredOutput_Grammar struct {
+	// A context-free grammar in Lark syntax, as the llguidance library reads it (rules in lower case,
+	// terminals in upper case, `start` is the start rule; /regex/ terminals, %json {schema} inclusions).
+	Grammar string `protobuf:"bytes,4,opt,name=grammar,proto3,oneof"`
+}
+
+type StructuredOutput_Choice struct {
+	// The output is exactly one of these strings. At least one; each non-empty.
+	Choice *Choice `protobuf:"bytes,5,opt,name=choice,proto3,oneof"`
+}
+
+type StructuredOutput_StructuralTag struct {
+	// Free text in which tool calls are constrained: see StructuralTag.
+	StructuralTag *StructuralTag `protobuf:"bytes,6,opt,name=structural_tag,json=structuralTag,proto3,oneof"`
+}
+
+func (*StructuredOutput_JsonSchema) isStructuredOutput_Kind() {}
+
+func (*StructuredOutput_JsonObject) isStructuredOutput_Kind() {}
+
+func (*StructuredOutput_Regex) isStructuredOutput_Kind() {}
+
+func (*StructuredOutput_Grammar) isStructuredOutput_Kind() {}
+
+func (*StructuredOutput_Choice) isStructuredOutput_Kind() {}
+
+func (*StructuredOutput_StructuralTag) isStructuredOutput_Kind() {}
+
+// JsonObject asks for any JSON object (OpenAI's response_format json_object). It has no options.
+type JsonObject struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *JsonObject) Reset() {
+	*x = JsonObject{}
+	mi := &file_engine_v1_generate_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *JsonObject) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*JsonObject) ProtoMessage() {}
+
+func (x *JsonObject) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_v1_generate_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use JsonObject.ProtoReflect.Descriptor instead.
+func (*JsonObject) Descriptor() ([]byte, []int) {
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{2}
+}
+
+// Choice is a list of allowed outputs.
+type Choice struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The allowed outputs, at least one; each non-empty. Duplicates are allowed and count once.
+	Choices       []string `protobuf:"bytes,1,rep,name=choices,proto3" json:"choices,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Choice) Reset() {
+	*x = Choice{}
+	mi := &file_engine_v1_generate_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Choice) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Choice) ProtoMessage() {}
+
+func (x *Choice) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_v1_generate_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Choice.ProtoReflect.Descriptor instead.
+func (*Choice) Descriptor() ([]byte, []int) {
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *Choice) GetChoices() []string {
+	if x != nil {
+		return x.Choices
+	}
+	return nil
+}
+
+// StructuralTag constrains tool calls inside otherwise free text (the begin / schema / end form vLLM and
+// xgrammar use): the text is free until it contains one of the triggers; from there it MUST continue with the
+// begin of a tag that starts with that trigger, then JSON matching the tag's schema, then the tag's end; then
+// the text is free again.
+type StructuralTag struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The tags, at least one.
+	Tags []*StructuralTagItem `protobuf:"bytes,1,rep,name=tags,proto3" json:"tags,omitempty"`
+	// Strings that start a tag, at least one, each non-empty. Every tag's begin MUST start with one of them.
+	Triggers      []string `protobuf:"bytes,2,rep,name=triggers,proto3" json:"triggers,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StructuralTag) Reset() {
+	*x = StructuralTag{}
+	mi := &file_engine_v1_generate_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StructuralTag) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StructuralTag) ProtoMessage() {}
+
+func (x *StructuralTag) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_v1_generate_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StructuralTag.ProtoReflect.Descriptor instead.
+func (*StructuralTag) Descriptor() ([]byte, []int) {
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *StructuralTag) GetTags() []*StructuralTagItem {
+	if x != nil {
+		return x.Tags
+	}
+	return nil
+}
+
+func (x *StructuralTag) GetTriggers() []string {
+	if x != nil {
+		return x.Triggers
+	}
+	return nil
+}
+
+// StructuralTagItem is one tag: begin, then JSON matching the schema, then end.
+type StructuralTagItem struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The tag's opening text, for example "<function=get_weather>". Starts with one of the triggers.
+	Begin string `protobuf:"bytes,1,opt,name=begin,proto3" json:"begin,omitempty"`
+	// A JSON Schema for the content between begin and end (as json_schema above). Empty: any JSON value.
+	JsonSchema string `protobuf:"bytes,2,opt,name=json_schema,json=jsonSchema,proto3" json:"json_schema,omitempty"`
+	// The tag's closing text, for example "</function>". May be empty.
+	End           string `protobuf:"bytes,3,opt,name=end,proto3" json:"end,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StructuralTagItem) Reset() {
+	*x = StructuralTagItem{}
+	mi := &file_engine_v1_generate_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StructuralTagItem) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StructuralTagItem) ProtoMessage() {}
+
+func (x *StructuralTagItem) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_v1_generate_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StructuralTagItem.ProtoReflect.Descriptor instead.
+func (*StructuralTagItem) Descriptor() ([]byte, []int) {
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *StructuralTagItem) GetBegin() string {
+	if x != nil {
+		return x.Begin
+	}
+	return ""
+}
+
+func (x *StructuralTagItem) GetJsonSchema() string {
+	if x != nil {
+		return x.JsonSchema
+	}
+	return ""
+}
+
+func (x *StructuralTagItem) GetEnd() string {
+	if x != nil {
+		return x.End
+	}
+	return ""
+}
+
 // TokenIds is a list of token ids.
 type TokenIds struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -249,7 +662,7 @@ type TokenIds struct {
 
 func (x *TokenIds) Reset() {
 	*x = TokenIds{}
-	mi := &file_engine_v1_generate_proto_msgTypes[1]
+	mi := &file_engine_v1_generate_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -261,7 +674,7 @@ func (x *TokenIds) String() string {
 func (*TokenIds) ProtoMessage() {}
 
 func (x *TokenIds) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_v1_generate_proto_msgTypes[1]
+	mi := &file_engine_v1_generate_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -274,7 +687,7 @@ func (x *TokenIds) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenIds.ProtoReflect.Descriptor instead.
 func (*TokenIds) Descriptor() ([]byte, []int) {
-	return file_engine_v1_generate_proto_rawDescGZIP(), []int{1}
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *TokenIds) GetIds() []uint32 {
@@ -297,7 +710,7 @@ type ChatMessage struct {
 
 func (x *ChatMessage) Reset() {
 	*x = ChatMessage{}
-	mi := &file_engine_v1_generate_proto_msgTypes[2]
+	mi := &file_engine_v1_generate_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -309,7 +722,7 @@ func (x *ChatMessage) String() string {
 func (*ChatMessage) ProtoMessage() {}
 
 func (x *ChatMessage) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_v1_generate_proto_msgTypes[2]
+	mi := &file_engine_v1_generate_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -322,7 +735,7 @@ func (x *ChatMessage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatMessage.ProtoReflect.Descriptor instead.
 func (*ChatMessage) Descriptor() ([]byte, []int) {
-	return file_engine_v1_generate_proto_rawDescGZIP(), []int{2}
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ChatMessage) GetRole() string {
@@ -352,7 +765,7 @@ type ChatMessages struct {
 
 func (x *ChatMessages) Reset() {
 	*x = ChatMessages{}
-	mi := &file_engine_v1_generate_proto_msgTypes[3]
+	mi := &file_engine_v1_generate_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -364,7 +777,7 @@ func (x *ChatMessages) String() string {
 func (*ChatMessages) ProtoMessage() {}
 
 func (x *ChatMessages) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_v1_generate_proto_msgTypes[3]
+	mi := &file_engine_v1_generate_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -377,7 +790,7 @@ func (x *ChatMessages) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatMessages.ProtoReflect.Descriptor instead.
 func (*ChatMessages) Descriptor() ([]byte, []int) {
-	return file_engine_v1_generate_proto_rawDescGZIP(), []int{3}
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ChatMessages) GetMessages() []*ChatMessage {
@@ -426,7 +839,7 @@ type SamplingParams struct {
 
 func (x *SamplingParams) Reset() {
 	*x = SamplingParams{}
-	mi := &file_engine_v1_generate_proto_msgTypes[4]
+	mi := &file_engine_v1_generate_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -438,7 +851,7 @@ func (x *SamplingParams) String() string {
 func (*SamplingParams) ProtoMessage() {}
 
 func (x *SamplingParams) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_v1_generate_proto_msgTypes[4]
+	mi := &file_engine_v1_generate_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -451,7 +864,7 @@ func (x *SamplingParams) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SamplingParams.ProtoReflect.Descriptor instead.
 func (*SamplingParams) Descriptor() ([]byte, []int) {
-	return file_engine_v1_generate_proto_rawDescGZIP(), []int{4}
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *SamplingParams) GetTemperature() float32 {
@@ -547,7 +960,7 @@ type StoppingCriteria struct {
 
 func (x *StoppingCriteria) Reset() {
 	*x = StoppingCriteria{}
-	mi := &file_engine_v1_generate_proto_msgTypes[5]
+	mi := &file_engine_v1_generate_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -559,7 +972,7 @@ func (x *StoppingCriteria) String() string {
 func (*StoppingCriteria) ProtoMessage() {}
 
 func (x *StoppingCriteria) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_v1_generate_proto_msgTypes[5]
+	mi := &file_engine_v1_generate_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -572,7 +985,7 @@ func (x *StoppingCriteria) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StoppingCriteria.ProtoReflect.Descriptor instead.
 func (*StoppingCriteria) Descriptor() ([]byte, []int) {
-	return file_engine_v1_generate_proto_rawDescGZIP(), []int{5}
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *StoppingCriteria) GetMaxTokens() uint32 {
@@ -636,7 +1049,7 @@ type OutputOptions struct {
 
 func (x *OutputOptions) Reset() {
 	*x = OutputOptions{}
-	mi := &file_engine_v1_generate_proto_msgTypes[6]
+	mi := &file_engine_v1_generate_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -648,7 +1061,7 @@ func (x *OutputOptions) String() string {
 func (*OutputOptions) ProtoMessage() {}
 
 func (x *OutputOptions) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_v1_generate_proto_msgTypes[6]
+	mi := &file_engine_v1_generate_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -661,7 +1074,7 @@ func (x *OutputOptions) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OutputOptions.ProtoReflect.Descriptor instead.
 func (*OutputOptions) Descriptor() ([]byte, []int) {
-	return file_engine_v1_generate_proto_rawDescGZIP(), []int{6}
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *OutputOptions) GetLogprobs() uint32 {
@@ -711,7 +1124,7 @@ type GenerateResponse struct {
 
 func (x *GenerateResponse) Reset() {
 	*x = GenerateResponse{}
-	mi := &file_engine_v1_generate_proto_msgTypes[7]
+	mi := &file_engine_v1_generate_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -723,7 +1136,7 @@ func (x *GenerateResponse) String() string {
 func (*GenerateResponse) ProtoMessage() {}
 
 func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_v1_generate_proto_msgTypes[7]
+	mi := &file_engine_v1_generate_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -736,7 +1149,7 @@ func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateResponse.ProtoReflect.Descriptor instead.
 func (*GenerateResponse) Descriptor() ([]byte, []int) {
-	return file_engine_v1_generate_proto_rawDescGZIP(), []int{7}
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *GenerateResponse) GetRequestId() string {
@@ -795,7 +1208,7 @@ type CompletionChunk struct {
 
 func (x *CompletionChunk) Reset() {
 	*x = CompletionChunk{}
-	mi := &file_engine_v1_generate_proto_msgTypes[8]
+	mi := &file_engine_v1_generate_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -807,7 +1220,7 @@ func (x *CompletionChunk) String() string {
 func (*CompletionChunk) ProtoMessage() {}
 
 func (x *CompletionChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_v1_generate_proto_msgTypes[8]
+	mi := &file_engine_v1_generate_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -820,7 +1233,7 @@ func (x *CompletionChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CompletionChunk.ProtoReflect.Descriptor instead.
 func (*CompletionChunk) Descriptor() ([]byte, []int) {
-	return file_engine_v1_generate_proto_rawDescGZIP(), []int{8}
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *CompletionChunk) GetIndex() uint32 {
@@ -919,7 +1332,7 @@ type TokenLogprob struct {
 
 func (x *TokenLogprob) Reset() {
 	*x = TokenLogprob{}
-	mi := &file_engine_v1_generate_proto_msgTypes[9]
+	mi := &file_engine_v1_generate_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -931,7 +1344,7 @@ func (x *TokenLogprob) String() string {
 func (*TokenLogprob) ProtoMessage() {}
 
 func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_v1_generate_proto_msgTypes[9]
+	mi := &file_engine_v1_generate_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -944,7 +1357,7 @@ func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenLogprob.ProtoReflect.Descriptor instead.
 func (*TokenLogprob) Descriptor() ([]byte, []int) {
-	return file_engine_v1_generate_proto_rawDescGZIP(), []int{9}
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *TokenLogprob) GetTokenId() uint32 {
@@ -988,7 +1401,7 @@ type TopLogprob struct {
 
 func (x *TopLogprob) Reset() {
 	*x = TopLogprob{}
-	mi := &file_engine_v1_generate_proto_msgTypes[10]
+	mi := &file_engine_v1_generate_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1000,7 +1413,7 @@ func (x *TopLogprob) String() string {
 func (*TopLogprob) ProtoMessage() {}
 
 func (x *TopLogprob) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_v1_generate_proto_msgTypes[10]
+	mi := &file_engine_v1_generate_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1013,7 +1426,7 @@ func (x *TopLogprob) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TopLogprob.ProtoReflect.Descriptor instead.
 func (*TopLogprob) Descriptor() ([]byte, []int) {
-	return file_engine_v1_generate_proto_rawDescGZIP(), []int{10}
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *TopLogprob) GetTokenId() uint32 {
@@ -1045,7 +1458,7 @@ type Usage struct {
 
 func (x *Usage) Reset() {
 	*x = Usage{}
-	mi := &file_engine_v1_generate_proto_msgTypes[11]
+	mi := &file_engine_v1_generate_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1057,7 +1470,7 @@ func (x *Usage) String() string {
 func (*Usage) ProtoMessage() {}
 
 func (x *Usage) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_v1_generate_proto_msgTypes[11]
+	mi := &file_engine_v1_generate_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1070,7 +1483,7 @@ func (x *Usage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Usage.ProtoReflect.Descriptor instead.
 func (*Usage) Descriptor() ([]byte, []int) {
-	return file_engine_v1_generate_proto_rawDescGZIP(), []int{11}
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Usage) GetPromptTokens() uint32 {
@@ -1105,7 +1518,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_engine_v1_generate_proto_msgTypes[12]
+	mi := &file_engine_v1_generate_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1117,7 +1530,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_v1_generate_proto_msgTypes[12]
+	mi := &file_engine_v1_generate_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1130,7 +1543,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_engine_v1_generate_proto_rawDescGZIP(), []int{12}
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *AbortRequest) GetRequestIds() []string {
@@ -1151,7 +1564,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_engine_v1_generate_proto_msgTypes[13]
+	mi := &file_engine_v1_generate_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1163,7 +1576,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_v1_generate_proto_msgTypes[13]
+	mi := &file_engine_v1_generate_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1176,7 +1589,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_engine_v1_generate_proto_rawDescGZIP(), []int{13}
+	return file_engine_v1_generate_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *AbortResponse) GetAbortedRequestIds() []string {
@@ -1190,7 +1603,7 @@ var File_engine_v1_generate_proto protoreflect.FileDescriptor
 
 const file_engine_v1_generate_proto_rawDesc = "" +
 	"\n" +
-	"\x18engine/v1/generate.proto\x12\tengine.v1\"\xb6\x03\n" +
+	"\x18engine/v1/generate.proto\x12\tengine.v1\"\x80\x04\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x122\n" +
@@ -1201,9 +1614,33 @@ const file_engine_v1_generate_proto_rawDesc = "" +
 	"\bstopping\x18\x06 \x01(\v2\x1b.engine.v1.StoppingCriteriaR\bstopping\x120\n" +
 	"\x06output\x18\a \x01(\v2\x18.engine.v1.OutputOptionsR\x06output\x12\x16\n" +
 	"\x06stream\x18\b \x01(\bR\x06stream\x121\n" +
-	"\x12add_special_tokens\x18\t \x01(\bH\x01R\x10addSpecialTokens\x88\x01\x01B\a\n" +
+	"\x12add_special_tokens\x18\t \x01(\bH\x01R\x10addSpecialTokens\x88\x01\x01\x12H\n" +
+	"\x11structured_output\x18\n" +
+	" \x01(\v2\x1b.engine.v1.StructuredOutputR\x10structuredOutputB\a\n" +
 	"\x05inputB\x15\n" +
-	"\x13_add_special_tokens\"\x1c\n" +
+	"\x13_add_special_tokens\"\x9b\x02\n" +
+	"\x10StructuredOutput\x12!\n" +
+	"\vjson_schema\x18\x01 \x01(\tH\x00R\n" +
+	"jsonSchema\x128\n" +
+	"\vjson_object\x18\x02 \x01(\v2\x15.engine.v1.JsonObjectH\x00R\n" +
+	"jsonObject\x12\x16\n" +
+	"\x05regex\x18\x03 \x01(\tH\x00R\x05regex\x12\x1a\n" +
+	"\agrammar\x18\x04 \x01(\tH\x00R\agrammar\x12+\n" +
+	"\x06choice\x18\x05 \x01(\v2\x11.engine.v1.ChoiceH\x00R\x06choice\x12A\n" +
+	"\x0estructural_tag\x18\x06 \x01(\v2\x18.engine.v1.StructuralTagH\x00R\rstructuralTagB\x06\n" +
+	"\x04kind\"\f\n" +
+	"\n" +
+	"JsonObject\"\"\n" +
+	"\x06Choice\x12\x18\n" +
+	"\achoices\x18\x01 \x03(\tR\achoices\"]\n" +
+	"\rStructuralTag\x120\n" +
+	"\x04tags\x18\x01 \x03(\v2\x1c.engine.v1.StructuralTagItemR\x04tags\x12\x1a\n" +
+	"\btriggers\x18\x02 \x03(\tR\btriggers\"\\\n" +
+	"\x11StructuralTagItem\x12\x14\n" +
+	"\x05begin\x18\x01 \x01(\tR\x05begin\x12\x1f\n" +
+	"\vjson_schema\x18\x02 \x01(\tR\n" +
+	"jsonSchema\x12\x10\n" +
+	"\x03end\x18\x03 \x01(\tR\x03end\"\x1c\n" +
 	"\bTokenIds\x12\x10\n" +
 	"\x03ids\x18\x01 \x03(\rR\x03ids\";\n" +
 	"\vChatMessage\x12\x12\n" +
@@ -1292,12 +1729,13 @@ const file_engine_v1_generate_proto_rawDesc = "" +
 	"\vrequest_ids\x18\x01 \x03(\tR\n" +
 	"requestIds\"?\n" +
 	"\rAbortResponse\x12.\n" +
-	"\x13aborted_request_ids\x18\x01 \x03(\tR\x11abortedRequestIds*x\n" +
+	"\x13aborted_request_ids\x18\x01 \x03(\tR\x11abortedRequestIds*\x9f\x01\n" +
 	"\fFinishReason\x12\x1d\n" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n" +
 	"\x12FINISH_REASON_STOP\x10\x01\x12\x18\n" +
 	"\x14FINISH_REASON_LENGTH\x10\x02\x12\x17\n" +
-	"\x13FINISH_REASON_ABORT\x10\x03B\xa3\x01\n" +
+	"\x13FINISH_REASON_ABORT\x10\x03\x12%\n" +
+	"!FINISH_REASON_CONSTRAINT_DEAD_END\x10\x04B\xa3\x01\n" +
 	"\rcom.engine.v1B\rGenerateProtoP\x01Z>github.com/engine-project/engine/gen/go/api/engine/v1;enginev1\xa2\x02\x03EXX\xaa\x02\tEngine.V1\xca\x02\tEngine\\V1\xe2\x02\x15Engine\\V1\\GPBMetadata\xea\x02\n" +
 	"Engine::V1b\x06proto3"
 
@@ -1314,44 +1752,54 @@ func file_engine_v1_generate_proto_rawDescGZIP() []byte {
 }
 
 var file_engine_v1_generate_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_engine_v1_generate_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_engine_v1_generate_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
 var file_engine_v1_generate_proto_goTypes = []any{
-	(FinishReason)(0),        // 0: engine.v1.FinishReason
-	(*GenerateRequest)(nil),  // 1: engine.v1.GenerateRequest
-	(*TokenIds)(nil),         // 2: engine.v1.TokenIds
-	(*ChatMessage)(nil),      // 3: engine.v1.ChatMessage
-	(*ChatMessages)(nil),     // 4: engine.v1.ChatMessages
-	(*SamplingParams)(nil),   // 5: engine.v1.SamplingParams
-	(*StoppingCriteria)(nil), // 6: engine.v1.StoppingCriteria
-	(*OutputOptions)(nil),    // 7: engine.v1.OutputOptions
-	(*GenerateResponse)(nil), // 8: engine.v1.GenerateResponse
-	(*CompletionChunk)(nil),  // 9: engine.v1.CompletionChunk
-	(*TokenLogprob)(nil),     // 10: engine.v1.TokenLogprob
-	(*TopLogprob)(nil),       // 11: engine.v1.TopLogprob
-	(*Usage)(nil),            // 12: engine.v1.Usage
-	(*AbortRequest)(nil),     // 13: engine.v1.AbortRequest
-	(*AbortResponse)(nil),    // 14: engine.v1.AbortResponse
-	nil,                      // 15: engine.v1.SamplingParams.LogitBiasEntry
+	(FinishReason)(0),         // 0: engine.v1.FinishReason
+	(*GenerateRequest)(nil),   // 1: engine.v1.GenerateRequest
+	(*StructuredOutput)(nil),  // 2: engine.v1.StructuredOutput
+	(*JsonObject)(nil),        // 3: engine.v1.JsonObject
+	(*Choice)(nil),            // 4: engine.v1.Choice
+	(*StructuralTag)(nil),     // 5: engine.v1.StructuralTag
+	(*StructuralTagItem)(nil), // 6: engine.v1.StructuralTagItem
+	(*TokenIds)(nil),          // 7: engine.v1.TokenIds
+	(*ChatMessage)(nil),       // 8: engine.v1.ChatMessage
+	(*ChatMessages)(nil),      // 9: engine.v1.ChatMessages
+	(*SamplingParams)(nil),    // 10: engine.v1.SamplingParams
+	(*StoppingCriteria)(nil),  // 11: engine.v1.StoppingCriteria
+	(*OutputOptions)(nil),     // 12: engine.v1.OutputOptions
+	(*GenerateResponse)(nil),  // 13: engine.v1.GenerateResponse
+	(*CompletionChunk)(nil),   // 14: engine.v1.CompletionChunk
+	(*TokenLogprob)(nil),      // 15: engine.v1.TokenLogprob
+	(*TopLogprob)(nil),        // 16: engine.v1.TopLogprob
+	(*Usage)(nil),             // 17: engine.v1.Usage
+	(*AbortRequest)(nil),      // 18: engine.v1.AbortRequest
+	(*AbortResponse)(nil),     // 19: engine.v1.AbortResponse
+	nil,                       // 20: engine.v1.SamplingParams.LogitBiasEntry
 }
 var file_engine_v1_generate_proto_depIdxs = []int32{
-	2,  // 0: engine.v1.GenerateRequest.token_ids:type_name -> engine.v1.TokenIds
-	4,  // 1: engine.v1.GenerateRequest.chat:type_name -> engine.v1.ChatMessages
-	5,  // 2: engine.v1.GenerateRequest.sampling:type_name -> engine.v1.SamplingParams
-	6,  // 3: engine.v1.GenerateRequest.stopping:type_name -> engine.v1.StoppingCriteria
-	7,  // 4: engine.v1.GenerateRequest.output:type_name -> engine.v1.OutputOptions
-	3,  // 5: engine.v1.ChatMessages.messages:type_name -> engine.v1.ChatMessage
-	15, // 6: engine.v1.SamplingParams.logit_bias:type_name -> engine.v1.SamplingParams.LogitBiasEntry
-	9,  // 7: engine.v1.GenerateResponse.completions:type_name -> engine.v1.CompletionChunk
-	10, // 8: engine.v1.GenerateResponse.prompt_logprobs:type_name -> engine.v1.TokenLogprob
-	12, // 9: engine.v1.GenerateResponse.usage:type_name -> engine.v1.Usage
-	10, // 10: engine.v1.CompletionChunk.logprobs:type_name -> engine.v1.TokenLogprob
-	0,  // 11: engine.v1.CompletionChunk.finish_reason:type_name -> engine.v1.FinishReason
-	11, // 12: engine.v1.TokenLogprob.top:type_name -> engine.v1.TopLogprob
-	13, // [13:13] is the sub-list for method output_type
-	13, // [13:13] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	7,  // 0: engine.v1.GenerateRequest.token_ids:type_name -> engine.v1.TokenIds
+	9,  // 1: engine.v1.GenerateRequest.chat:type_name -> engine.v1.ChatMessages
+	10, // 2: engine.v1.GenerateRequest.sampling:type_name -> engine.v1.SamplingParams
+	11, // 3: engine.v1.GenerateRequest.stopping:type_name -> engine.v1.StoppingCriteria
+	12, // 4: engine.v1.GenerateRequest.output:type_name -> engine.v1.OutputOptions
+	2,  // 5: engine.v1.GenerateRequest.structured_output:type_name -> engine.v1.StructuredOutput
+	3,  // 6: engine.v1.StructuredOutput.json_object:type_name -> engine.v1.JsonObject
+	4,  // 7: engine.v1.StructuredOutput.choice:type_name -> engine.v1.Choice
+	5,  // 8: engine.v1.StructuredOutput.structural_tag:type_name -> engine.v1.StructuralTag
+	6,  // 9: engine.v1.StructuralTag.tags:type_name -> engine.v1.StructuralTagItem
+	8,  // 10: engine.v1.ChatMessages.messages:type_name -> engine.v1.ChatMessage
+	20, // 11: engine.v1.SamplingParams.logit_bias:type_name -> engine.v1.SamplingParams.LogitBiasEntry
+	14, // 12: engine.v1.GenerateResponse.completions:type_name -> engine.v1.CompletionChunk
+	15, // 13: engine.v1.GenerateResponse.prompt_logprobs:type_name -> engine.v1.TokenLogprob
+	17, // 14: engine.v1.GenerateResponse.usage:type_name -> engine.v1.Usage
+	15, // 15: engine.v1.CompletionChunk.logprobs:type_name -> engine.v1.TokenLogprob
+	0,  // 16: engine.v1.CompletionChunk.finish_reason:type_name -> engine.v1.FinishReason
+	16, // 17: engine.v1.TokenLogprob.top:type_name -> engine.v1.TopLogprob
+	18, // [18:18] is the sub-list for method output_type
+	18, // [18:18] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_engine_v1_generate_proto_init() }
@@ -1364,11 +1812,19 @@ func file_engine_v1_generate_proto_init() {
 		(*GenerateRequest_Text)(nil),
 		(*GenerateRequest_Chat)(nil),
 	}
-	file_engine_v1_generate_proto_msgTypes[3].OneofWrappers = []any{}
-	file_engine_v1_generate_proto_msgTypes[4].OneofWrappers = []any{}
-	file_engine_v1_generate_proto_msgTypes[5].OneofWrappers = []any{}
-	file_engine_v1_generate_proto_msgTypes[6].OneofWrappers = []any{}
-	file_engine_v1_generate_proto_msgTypes[8].OneofWrappers = []any{
+	file_engine_v1_generate_proto_msgTypes[1].OneofWrappers = []any{
+		(*StructuredOutput_JsonSchema)(nil),
+		(*StructuredOutput_JsonObject)(nil),
+		(*StructuredOutput_Regex)(nil),
+		(*StructuredOutput_Grammar)(nil),
+		(*StructuredOutput_Choice)(nil),
+		(*StructuredOutput_StructuralTag)(nil),
+	}
+	file_engine_v1_generate_proto_msgTypes[8].OneofWrappers = []any{}
+	file_engine_v1_generate_proto_msgTypes[9].OneofWrappers = []any{}
+	file_engine_v1_generate_proto_msgTypes[10].OneofWrappers = []any{}
+	file_engine_v1_generate_proto_msgTypes[11].OneofWrappers = []any{}
+	file_engine_v1_generate_proto_msgTypes[13].OneofWrappers = []any{
 		(*CompletionChunk_StopString)(nil),
 		(*CompletionChunk_StopTokenId)(nil),
 	}
@@ -1378,7 +1834,7 @@ func file_engine_v1_generate_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_engine_v1_generate_proto_rawDesc), len(file_engine_v1_generate_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   15,
+			NumMessages:   20,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

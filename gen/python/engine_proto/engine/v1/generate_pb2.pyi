@@ -33,6 +33,10 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """max_tokens were generated, or the context length was reached."""
     FINISH_REASON_ABORT: _FinishReason.ValueType  # 3
     """Aborted: by the Abort RPC, a cancelled call, a passed deadline, or a server shutdown."""
+    FINISH_REASON_CONSTRAINT_DEAD_END: _FinishReason.ValueType  # 4
+    """The request's structured_output constraint allowed no next token: the output so far is a valid prefix of
+    its language, but incomplete.
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """FinishReason says why a completion ended."""
@@ -45,6 +49,10 @@ FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
 """max_tokens were generated, or the context length was reached."""
 FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 """Aborted: by the Abort RPC, a cancelled call, a passed deadline, or a server shutdown."""
+FINISH_REASON_CONSTRAINT_DEAD_END: FinishReason.ValueType  # 4
+"""The request's structured_output constraint allowed no next token: the output so far is a valid prefix of
+its language, but incomplete.
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
@@ -62,6 +70,7 @@ class GenerateRequest(_message.Message):
     OUTPUT_FIELD_NUMBER: _builtins.int
     STREAM_FIELD_NUMBER: _builtins.int
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id of this request, unique among the server's in-flight requests; used by Abort and in logs.
     Default: empty, and the server assigns a unique id and returns it in every response.
@@ -93,6 +102,15 @@ class GenerateRequest(_message.Message):
     def output(self) -> Global___OutputOptions:
         """What the responses carry. Default: all defaults of OutputOptions."""
 
+    @_builtins.property
+    def structured_output(self) -> Global___StructuredOutput:
+        """Constrains every completion to a formal language: a JSON schema, any JSON object, a regular expression, a
+        grammar, one of a list of strings, or tool-call tags in free text. Default: unset, unconstrained.
+        See StructuredOutput for how a constrained completion starts and ends and how the constraint combines with
+        the other knobs. An invalid constraint is INVALID_ARGUMENT naming the field, with the grammar library's
+        message.
+        """
+
     def __init__(
         self,
         *,
@@ -105,10 +123,11 @@ class GenerateRequest(_message.Message):
         output: Global___OutputOptions | None = ...,
         stream: _builtins.bool = ...,
         add_special_tokens: _builtins.bool | None = ...,
+        structured_output: Global___StructuredOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "output", b"output", "sampling", b"sampling", "stopping", b"stopping", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "output", b"output", "sampling", b"sampling", "stopping", b"stopping", "structured_output", b"structured_output", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "output", b"output", "request_id", b"request_id", "sampling", b"sampling", "stopping", b"stopping", "stream", b"stream", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "output", b"output", "request_id", b"request_id", "sampling", b"sampling", "stopping", b"stopping", "stream", b"stream", "structured_output", b"structured_output", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
     _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015
@@ -120,6 +139,199 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class StructuredOutput(_message.Message):
+    """StructuredOutput constrains what a completion may contain (constrained decoding). At every step the server
+    masks out each token that cannot continue the constraint's language before sampling, so the output is in the
+    language whatever the model prefers.
+
+    Where it applies: from the first generated token to the last (the prompt is not checked); each of the n
+    completions is constrained on its own.
+    How it ends a completion: finish_reason STOP as soon as the output is a complete sentence of the language that
+    cannot be extended (a closed JSON object, a regex match with nothing optional left, a choice); where the
+    language allows more but the sentence is already complete, the end-of-sequence token is allowed and ends it
+    (STOP); the end-of-sequence token is never allowed before the sentence is complete. finish_reason LENGTH when
+    max_tokens (or the context length) comes first: the output is then an incomplete prefix. A constraint that
+    allows no next token at all (rare: a grammar that cannot be completed from where it is) ends the completion
+    with FINISH_REASON_CONSTRAINT_DEAD_END instead of sampling outside it.
+    With the other knobs:
+    - stop strings and stop_token_ids still end the completion where they match (the output may then be
+      incomplete); a constrained completion ends at its language's end even with ignore_eos.
+    - min_tokens: the end-of-sequence and stop tokens stay masked until min_tokens, except where the constraint
+      allows nothing else (then the language's end wins).
+    - temperature, top_k, top_p, min_p, penalties, logit_bias and seeds apply to the allowed tokens only: a
+      logit_bias cannot make a disallowed token possible; a seeded request repeats exactly.
+    - logprobs stay the model's raw distribution (before the constraint, as for every other logits processor),
+      so they show how far the constraint moved the model; a sampled token may then have a low rank.
+    Limits: all the constraint's strings together at most 65,536 bytes (more is INVALID_ARGUMENT); compiling it
+    must finish within the server's compile timeout (--structured-output-compile-timeout, default 10 s;
+    INVALID_ARGUMENT past it). Compiled constraints are cached, so a repeated one starts at once.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    STRUCTURAL_TAG_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """A JSON Schema (draft 2020-12, as text). Supported: type, properties, required, additionalProperties,
+    items, prefixItems, minItems, maxItems, enum, const, anyOf, oneOf (as anyOf), allOf, $ref and $defs,
+    string minLength / maxLength / pattern / format (date-time, date, time, email, uuid, ...), number
+    minimum / maximum / exclusiveMinimum / exclusiveMaximum / multipleOf, object minProperties /
+    maxProperties / patternProperties. Validation keywords the grammar library cannot enforce (uniqueItems,
+    contains, not, if / then / else, dependentRequired, dependentSchemas, ...) and unknown formats are
+    INVALID_ARGUMENT naming them, never silently dropped; annotations (title, description, examples, default,
+    $schema, $id, $comment) and keys outside JSON Schema's vocabulary are ignored. Output is compact JSON (no
+    whitespace between tokens) unless the schema's "x-guidance" object says otherwise.
+    """
+    regex: _builtins.str
+    """A regular expression the whole output must match (Rust regex syntax, anchored at both ends; no
+    lookaround or backreferences).
+    """
+    grammar: _builtins.str
+    """A context-free grammar in Lark syntax, as the llguidance library reads it (rules in lower case,
+    terminals in upper case, `start` is the start rule; /regex/ terminals, %json {schema} inclusions).
+    """
+    @_builtins.property
+    def json_object(self) -> Global___JsonObject:
+        """Any JSON object."""
+
+    @_builtins.property
+    def choice(self) -> Global___Choice:
+        """The output is exactly one of these strings. At least one; each non-empty."""
+
+    @_builtins.property
+    def structural_tag(self) -> Global___StructuralTag:
+        """Free text in which tool calls are constrained: see StructuralTag."""
+
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        json_object: Global___JsonObject | None = ...,
+        regex: _builtins.str = ...,
+        grammar: _builtins.str = ...,
+        choice: Global___Choice | None = ...,
+        structural_tag: Global___StructuralTag | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex", "structural_tag", b"structural_tag"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex", "structural_tag", b"structural_tag"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "grammar", "choice", "structural_tag"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___StructuredOutput: _TypeAlias = StructuredOutput  # noqa: Y015
+
+@_typing.final
+class JsonObject(_message.Message):
+    """JsonObject asks for any JSON object (OpenAI's response_format json_object). It has no options."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JsonObject: _TypeAlias = JsonObject  # noqa: Y015
+
+@_typing.final
+class Choice(_message.Message):
+    """Choice is a list of allowed outputs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The allowed outputs, at least one; each non-empty. Duplicates are allowed and count once."""
+
+    def __init__(
+        self,
+        *,
+        choices: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choice: _TypeAlias = Choice  # noqa: Y015
+
+@_typing.final
+class StructuralTag(_message.Message):
+    """StructuralTag constrains tool calls inside otherwise free text (the begin / schema / end form vLLM and
+    xgrammar use): the text is free until it contains one of the triggers; from there it MUST continue with the
+    begin of a tag that starts with that trigger, then JSON matching the tag's schema, then the tag's end; then
+    the text is free again.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAGS_FIELD_NUMBER: _builtins.int
+    TRIGGERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tags(self) -> _containers.RepeatedCompositeFieldContainer[Global___StructuralTagItem]:
+        """The tags, at least one."""
+
+    @_builtins.property
+    def triggers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Strings that start a tag, at least one, each non-empty. Every tag's begin MUST start with one of them."""
+
+    def __init__(
+        self,
+        *,
+        tags: _abc.Iterable[Global___StructuralTagItem] | None = ...,
+        triggers: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tags", b"tags", "triggers", b"triggers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StructuralTag: _TypeAlias = StructuralTag  # noqa: Y015
+
+@_typing.final
+class StructuralTagItem(_message.Message):
+    """StructuralTagItem is one tag: begin, then JSON matching the schema, then end."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BEGIN_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    begin: _builtins.str
+    """The tag's opening text, for example "<function=get_weather>". Starts with one of the triggers."""
+    json_schema: _builtins.str
+    """A JSON Schema for the content between begin and end (as json_schema above). Empty: any JSON value."""
+    end: _builtins.str
+    """The tag's closing text, for example "</function>". May be empty."""
+    def __init__(
+        self,
+        *,
+        begin: _builtins.str = ...,
+        json_schema: _builtins.str = ...,
+        end: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "end", b"end", "json_schema", b"json_schema"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StructuralTagItem: _TypeAlias = StructuralTagItem  # noqa: Y015
 
 @_typing.final
 class TokenIds(_message.Message):

@@ -9,6 +9,7 @@ __all__ = (
     "CharSpan",
     "ChatMessage",
     "ChatMessages",
+    "Choice",
     "CompletionChunk",
     "DetokenizeRequest",
     "DetokenizeResponse",
@@ -29,6 +30,7 @@ __all__ = (
     "GetModelInfoResponse",
     "GetServerInfoRequest",
     "GetServerInfoResponse",
+    "JsonObject",
     "Load",
     "ModelTask",
     "OutputOptions",
@@ -36,6 +38,9 @@ __all__ = (
     "ServerLimits",
     "SpecialTokens",
     "StoppingCriteria",
+    "StructuralTag",
+    "StructuralTagItem",
+    "StructuredOutput",
     "TokenIds",
     "TokenLogprob",
     "TokenizeRequest",
@@ -140,6 +145,12 @@ class FinishReason(betterproto2.Enum):
     Aborted: by the Abort RPC, a cancelled call, a passed deadline, or a server shutdown.
     """
 
+    CONSTRAINT_DEAD_END = 4
+    """
+    The request's structured_output constraint allowed no next token: the output so far is a valid prefix of
+    its language, but incomplete.
+    """
+
     @classmethod
     def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
         return {
@@ -147,6 +158,7 @@ class FinishReason(betterproto2.Enum):
             1: "FINISH_REASON_STOP",
             2: "FINISH_REASON_LENGTH",
             3: "FINISH_REASON_ABORT",
+            4: "FINISH_REASON_CONSTRAINT_DEAD_END",
         }
 
     @classmethod
@@ -156,6 +168,7 @@ class FinishReason(betterproto2.Enum):
             "FINISH_REASON_STOP": 1,
             "FINISH_REASON_LENGTH": 2,
             "FINISH_REASON_ABORT": 3,
+            "FINISH_REASON_CONSTRAINT_DEAD_END": 4,
         }
 
 
@@ -284,6 +297,21 @@ class ChatMessages(betterproto2.Message):
 
 
 default_message_pool.register_message("engine.v1", "ChatMessages", ChatMessages)
+
+
+@dataclass(eq=False, repr=False)
+class Choice(betterproto2.Message):
+    """
+    Choice is a list of allowed outputs.
+    """
+
+    choices: "list[str]" = betterproto2.field(1, betterproto2.TYPE_STRING, repeated=True)
+    """
+    The allowed outputs, at least one; each non-empty. Duplicates are allowed and count once.
+    """
+
+
+default_message_pool.register_message("engine.v1", "Choice", Choice)
 
 
 @dataclass(eq=False, repr=False)
@@ -527,6 +555,17 @@ class GenerateRequest(betterproto2.Message):
     For `text` input only: add the tokenizer's special tokens (such as BOS). Default: true.
     """
 
+    structured_output: "StructuredOutput | None" = betterproto2.field(
+        10, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    Constrains every completion to a formal language: a JSON schema, any JSON object, a regular expression, a
+    grammar, one of a list of strings, or tool-call tags in free text. Default: unset, unconstrained.
+    See StructuredOutput for how a constrained completion starts and ends and how the constraint combines with
+    the other knobs. An invalid constraint is INVALID_ARGUMENT naming the field, with the grammar library's
+    message.
+    """
+
 
 default_message_pool.register_message("engine.v1", "GenerateRequest", GenerateRequest)
 
@@ -731,6 +770,18 @@ class GetServerInfoResponse(betterproto2.Message):
 
 
 default_message_pool.register_message("engine.v1", "GetServerInfoResponse", GetServerInfoResponse)
+
+
+@dataclass(eq=False, repr=False)
+class JsonObject(betterproto2.Message):
+    """
+    JsonObject asks for any JSON object (OpenAI's response_format json_object). It has no options.
+    """
+
+    pass
+
+
+default_message_pool.register_message("engine.v1", "JsonObject", JsonObject)
 
 
 @dataclass(eq=False, repr=False)
@@ -977,6 +1028,135 @@ class StoppingCriteria(betterproto2.Message):
 
 
 default_message_pool.register_message("engine.v1", "StoppingCriteria", StoppingCriteria)
+
+
+@dataclass(eq=False, repr=False)
+class StructuralTag(betterproto2.Message):
+    """
+    StructuralTag constrains tool calls inside otherwise free text (the begin / schema / end form vLLM and
+    xgrammar use): the text is free until it contains one of the triggers; from there it MUST continue with the
+    begin of a tag that starts with that trigger, then JSON matching the tag's schema, then the tag's end; then
+    the text is free again.
+    """
+
+    tags: "list[StructuralTagItem]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The tags, at least one.
+    """
+
+    triggers: "list[str]" = betterproto2.field(2, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Strings that start a tag, at least one, each non-empty. Every tag's begin MUST start with one of them.
+    """
+
+
+default_message_pool.register_message("engine.v1", "StructuralTag", StructuralTag)
+
+
+@dataclass(eq=False, repr=False)
+class StructuralTagItem(betterproto2.Message):
+    """
+    StructuralTagItem is one tag: begin, then JSON matching the schema, then end.
+    """
+
+    begin: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The tag's opening text, for example "<function=get_weather>". Starts with one of the triggers.
+    """
+
+    json_schema: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    A JSON Schema for the content between begin and end (as json_schema above). Empty: any JSON value.
+    """
+
+    end: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    The tag's closing text, for example "</function>". May be empty.
+    """
+
+
+default_message_pool.register_message("engine.v1", "StructuralTagItem", StructuralTagItem)
+
+
+@dataclass(eq=False, repr=False)
+class StructuredOutput(betterproto2.Message):
+    """
+    StructuredOutput constrains what a completion may contain (constrained decoding). At every step the server
+    masks out each token that cannot continue the constraint's language before sampling, so the output is in the
+    language whatever the model prefers.
+
+    Where it applies: from the first generated token to the last (the prompt is not checked); each of the n
+    completions is constrained on its own.
+    How it ends a completion: finish_reason STOP as soon as the output is a complete sentence of the language that
+    cannot be extended (a closed JSON object, a regex match with nothing optional left, a choice); where the
+    language allows more but the sentence is already complete, the end-of-sequence token is allowed and ends it
+    (STOP); the end-of-sequence token is never allowed before the sentence is complete. finish_reason LENGTH when
+    max_tokens (or the context length) comes first: the output is then an incomplete prefix. A constraint that
+    allows no next token at all (rare: a grammar that cannot be completed from where it is) ends the completion
+    with FINISH_REASON_CONSTRAINT_DEAD_END instead of sampling outside it.
+    With the other knobs:
+    - stop strings and stop_token_ids still end the completion where they match (the output may then be
+      incomplete); a constrained completion ends at its language's end even with ignore_eos.
+    - min_tokens: the end-of-sequence and stop tokens stay masked until min_tokens, except where the constraint
+      allows nothing else (then the language's end wins).
+    - temperature, top_k, top_p, min_p, penalties, logit_bias and seeds apply to the allowed tokens only: a
+      logit_bias cannot make a disallowed token possible; a seeded request repeats exactly.
+    - logprobs stay the model's raw distribution (before the constraint, as for every other logits processor),
+      so they show how far the constraint moved the model; a sampled token may then have a low rank.
+    Limits: all the constraint's strings together at most 65,536 bytes (more is INVALID_ARGUMENT); compiling it
+    must finish within the server's compile timeout (--structured-output-compile-timeout, default 10 s;
+    INVALID_ARGUMENT past it). Compiled constraints are cached, so a repeated one starts at once.
+
+    Oneofs:
+        - kind: The language. Exactly one MUST be set; none is INVALID_ARGUMENT.
+    """
+
+    json_schema: "str | None" = betterproto2.field(1, betterproto2.TYPE_STRING, optional=True, group="kind")
+    """
+    A JSON Schema (draft 2020-12, as text). Supported: type, properties, required, additionalProperties,
+    items, prefixItems, minItems, maxItems, enum, const, anyOf, oneOf (as anyOf), allOf, $ref and $defs,
+    string minLength / maxLength / pattern / format (date-time, date, time, email, uuid, ...), number
+    minimum / maximum / exclusiveMinimum / exclusiveMaximum / multipleOf, object minProperties /
+    maxProperties / patternProperties. Validation keywords the grammar library cannot enforce (uniqueItems,
+    contains, not, if / then / else, dependentRequired, dependentSchemas, ...) and unknown formats are
+    INVALID_ARGUMENT naming them, never silently dropped; annotations (title, description, examples, default,
+    $schema, $id, $comment) and keys outside JSON Schema's vocabulary are ignored. Output is compact JSON (no
+    whitespace between tokens) unless the schema's "x-guidance" object says otherwise.
+    """
+
+    json_object: "JsonObject | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
+    )
+    """
+    Any JSON object.
+    """
+
+    regex: "str | None" = betterproto2.field(3, betterproto2.TYPE_STRING, optional=True, group="kind")
+    """
+    A regular expression the whole output must match (Rust regex syntax, anchored at both ends; no
+    lookaround or backreferences).
+    """
+
+    grammar: "str | None" = betterproto2.field(4, betterproto2.TYPE_STRING, optional=True, group="kind")
+    """
+    A context-free grammar in Lark syntax, as the llguidance library reads it (rules in lower case,
+    terminals in upper case, `start` is the start rule; /regex/ terminals, %json {schema} inclusions).
+    """
+
+    choice: "Choice | None" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, optional=True, group="kind")
+    """
+    The output is exactly one of these strings. At least one; each non-empty.
+    """
+
+    structural_tag: "StructuralTag | None" = betterproto2.field(
+        6, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
+    )
+    """
+    Free text in which tool calls are constrained: see StructuralTag.
+    """
+
+
+default_message_pool.register_message("engine.v1", "StructuredOutput", StructuredOutput)
 
 
 @dataclass(eq=False, repr=False)

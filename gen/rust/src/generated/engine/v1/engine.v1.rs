@@ -23,6 +23,13 @@ pub struct GenerateRequest {
     /// For `text` input only: add the tokenizer's special tokens (such as BOS). Default: true.
     #[prost(bool, optional, tag="9")]
     pub add_special_tokens: ::core::option::Option<bool>,
+    /// Constrains every completion to a formal language: a JSON schema, any JSON object, a regular expression, a
+    /// grammar, one of a list of strings, or tool-call tags in free text. Default: unset, unconstrained.
+    /// See StructuredOutput for how a constrained completion starts and ends and how the constraint combines with
+    /// the other knobs. An invalid constraint is INVALID_ARGUMENT naming the field, with the grammar library's
+    /// message.
+    #[prost(message, optional, tag="10")]
+    pub structured_output: ::core::option::Option<StructuredOutput>,
     /// The prompt. Exactly one MUST be set; none is INVALID_ARGUMENT.
     #[prost(oneof="generate_request::Input", tags="2, 3, 4")]
     pub input: ::core::option::Option<generate_request::Input>,
@@ -42,6 +49,109 @@ pub mod generate_request {
         #[prost(message, tag="4")]
         Chat(super::ChatMessages),
     }
+}
+/// StructuredOutput constrains what a completion may contain (constrained decoding). At every step the server
+/// masks out each token that cannot continue the constraint's language before sampling, so the output is in the
+/// language whatever the model prefers.
+///
+/// Where it applies: from the first generated token to the last (the prompt is not checked); each of the n
+/// completions is constrained on its own.
+/// How it ends a completion: finish_reason STOP as soon as the output is a complete sentence of the language that
+/// cannot be extended (a closed JSON object, a regex match with nothing optional left, a choice); where the
+/// language allows more but the sentence is already complete, the end-of-sequence token is allowed and ends it
+/// (STOP); the end-of-sequence token is never allowed before the sentence is complete. finish_reason LENGTH when
+/// max_tokens (or the context length) comes first: the output is then an incomplete prefix. A constraint that
+/// allows no next token at all (rare: a grammar that cannot be completed from where it is) ends the completion
+/// with FINISH_REASON_CONSTRAINT_DEAD_END instead of sampling outside it.
+/// With the other knobs:
+/// - stop strings and stop_token_ids still end the completion where they match (the output may then be
+///    incomplete); a constrained completion ends at its language's end even with ignore_eos.
+/// - min_tokens: the end-of-sequence and stop tokens stay masked until min_tokens, except where the constraint
+///    allows nothing else (then the language's end wins).
+/// - temperature, top_k, top_p, min_p, penalties, logit_bias and seeds apply to the allowed tokens only: a
+///    logit_bias cannot make a disallowed token possible; a seeded request repeats exactly.
+/// - logprobs stay the model's raw distribution (before the constraint, as for every other logits processor),
+///    so they show how far the constraint moved the model; a sampled token may then have a low rank.
+/// Limits: all the constraint's strings together at most 65,536 bytes (more is INVALID_ARGUMENT); compiling it
+/// must finish within the server's compile timeout (--structured-output-compile-timeout, default 10 s;
+/// INVALID_ARGUMENT past it). Compiled constraints are cached, so a repeated one starts at once.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct StructuredOutput {
+    /// The language. Exactly one MUST be set; none is INVALID_ARGUMENT.
+    #[prost(oneof="structured_output::Kind", tags="1, 2, 3, 4, 5, 6")]
+    pub kind: ::core::option::Option<structured_output::Kind>,
+}
+/// Nested message and enum types in `StructuredOutput`.
+pub mod structured_output {
+    /// The language. Exactly one MUST be set; none is INVALID_ARGUMENT.
+    #[derive(Clone, PartialEq, ::prost::Oneof)]
+    pub enum Kind {
+        /// A JSON Schema (draft 2020-12, as text). Supported: type, properties, required, additionalProperties,
+        /// items, prefixItems, minItems, maxItems, enum, const, anyOf, oneOf (as anyOf), allOf, $ref and $defs,
+        /// string minLength / maxLength / pattern / format (date-time, date, time, email, uuid, ...), number
+        /// minimum / maximum / exclusiveMinimum / exclusiveMaximum / multipleOf, object minProperties /
+        /// maxProperties / patternProperties. Validation keywords the grammar library cannot enforce (uniqueItems,
+        /// contains, not, if / then / else, dependentRequired, dependentSchemas, ...) and unknown formats are
+        /// INVALID_ARGUMENT naming them, never silently dropped; annotations (title, description, examples, default,
+        /// $schema, $id, $comment) and keys outside JSON Schema's vocabulary are ignored. Output is compact JSON (no
+        /// whitespace between tokens) unless the schema's "x-guidance" object says otherwise.
+        #[prost(string, tag="1")]
+        JsonSchema(::prost::alloc::string::String),
+        /// Any JSON object.
+        #[prost(message, tag="2")]
+        JsonObject(super::JsonObject),
+        /// A regular expression the whole output must match (Rust regex syntax, anchored at both ends; no
+        /// lookaround or backreferences).
+        #[prost(string, tag="3")]
+        Regex(::prost::alloc::string::String),
+        /// A context-free grammar in Lark syntax, as the llguidance library reads it (rules in lower case,
+        /// terminals in upper case, `start` is the start rule; /regex/ terminals, %json {schema} inclusions).
+        #[prost(string, tag="4")]
+        Grammar(::prost::alloc::string::String),
+        /// The output is exactly one of these strings. At least one; each non-empty.
+        #[prost(message, tag="5")]
+        Choice(super::Choice),
+        /// Free text in which tool calls are constrained: see StructuralTag.
+        #[prost(message, tag="6")]
+        StructuralTag(super::StructuralTag),
+    }
+}
+/// JsonObject asks for any JSON object (OpenAI's response_format json_object). It has no options.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct JsonObject {
+}
+/// Choice is a list of allowed outputs.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct Choice {
+    /// The allowed outputs, at least one; each non-empty. Duplicates are allowed and count once.
+    #[prost(string, repeated, tag="1")]
+    pub choices: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+}
+/// StructuralTag constrains tool calls inside otherwise free text (the begin / schema / end form vLLM and
+/// xgrammar use): the text is free until it contains one of the triggers; from there it MUST continue with the
+/// begin of a tag that starts with that trigger, then JSON matching the tag's schema, then the tag's end; then
+/// the text is free again.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct StructuralTag {
+    /// The tags, at least one.
+    #[prost(message, repeated, tag="1")]
+    pub tags: ::prost::alloc::vec::Vec<StructuralTagItem>,
+    /// Strings that start a tag, at least one, each non-empty. Every tag's begin MUST start with one of them.
+    #[prost(string, repeated, tag="2")]
+    pub triggers: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+}
+/// StructuralTagItem is one tag: begin, then JSON matching the schema, then end.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct StructuralTagItem {
+    /// The tag's opening text, for example "<function=get_weather>". Starts with one of the triggers.
+    #[prost(string, tag="1")]
+    pub begin: ::prost::alloc::string::String,
+    /// A JSON Schema for the content between begin and end (as json_schema above). Empty: any JSON value.
+    #[prost(string, tag="2")]
+    pub json_schema: ::prost::alloc::string::String,
+    /// The tag's closing text, for example "</function>". May be empty.
+    #[prost(string, tag="3")]
+    pub end: ::prost::alloc::string::String,
 }
 /// TokenIds is a list of token ids.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -270,6 +380,9 @@ pub enum FinishReason {
     Length = 2,
     /// Aborted: by the Abort RPC, a cancelled call, a passed deadline, or a server shutdown.
     Abort = 3,
+    /// The request's structured_output constraint allowed no next token: the output so far is a valid prefix of
+    /// its language, but incomplete.
+    ConstraintDeadEnd = 4,
 }
 impl FinishReason {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -282,6 +395,7 @@ impl FinishReason {
             Self::Stop => "FINISH_REASON_STOP",
             Self::Length => "FINISH_REASON_LENGTH",
             Self::Abort => "FINISH_REASON_ABORT",
+            Self::ConstraintDeadEnd => "FINISH_REASON_CONSTRAINT_DEAD_END",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -291,6 +405,7 @@ impl FinishReason {
             "FINISH_REASON_STOP" => Some(Self::Stop),
             "FINISH_REASON_LENGTH" => Some(Self::Length),
             "FINISH_REASON_ABORT" => Some(Self::Abort),
+            "FINISH_REASON_CONSTRAINT_DEAD_END" => Some(Self::ConstraintDeadEnd),
             _ => None,
         }
     }

@@ -1,0 +1,187 @@
+"""Compiles constraints into llguidance matchers off the step loop: a small thread pool and a bounded cache.
+
+A request with a constraint waits (outside the scheduler) while its grammar compiles; the batch does not.
+llguidance drops the GIL while it builds a grammar, so a compile runs beside the model's forward passes.
+The same constraint compiles once: later requests (and the n completions of one) get copies of the compiled
+matcher. Errors are cached too, so a bad constraint sent again is refused at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import llguidance
+
+from engine_server.engine.structured.grammars import grammar_of
+from engine_server.engine.types import RequestError, StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+# NOTE: llguidance's own fuel limits bound how long one grammar's compile and each mask may take; these are
+# its defaults, written out so that they are ours to document and change.
+PARSER_LIMITS = llguidance.LLParserLimits(
+    initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000, max_grammar_size=500_000,
+    verbose_errors=False,  # NOTE: errors go back to clients; they must not carry other state
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A compiled constraint: a matcher in its start state to copy, or why there is none."""
+
+    matcher: llguidance.LLMatcher | None
+    error: RequestError | None
+    seconds: float
+
+
+def load_llg_tokenizer(model_path: str, *, vocab_size: int, eos_token_ids: tuple[int, ...]
+                       ) -> llguidance.LLTokenizer:
+    """The model's tokenizer as llguidance needs it (its token bytes), from the model's local directory.
+
+    NOTE: the vocabulary is the model's (its logits' width, which may be padded past the tokenizer's), and
+    every id that ends a sequence counts as end of sequence.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    hf = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    if not isinstance(hf, PreTrainedTokenizerFast):
+        raise RuntimeError(f"structured output needs a fast tokenizer; {Path(model_path).name} has "
+                           f"{type(hf).__name__}")
+    from llguidance.hf import from_tokenizer
+
+    return from_tokenizer(hf, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+
+
+class _Entry:
+    """One constraint's compile, shared by every request that asks for it while it runs."""
+
+    __slots__ = ("future", "started_at")
+
+    def __init__(self) -> None:
+        self.future: Future[Compiled] = Future()
+        self.started_at: float | None = None  # set when a pool thread starts on it
+
+
+class CompileJob:
+    """A request's wait for its constraint; `poll` says when it is over."""
+
+    __slots__ = ("_compiler", "_entry", "constraint")
+
+    def __init__(self, compiler: GrammarCompiler, constraint: StructuredOutput, entry: _Entry) -> None:
+        self._compiler = compiler
+        self._entry = entry
+        self.constraint = constraint
+
+    def poll(self, now: float) -> llguidance.LLMatcher | RequestError | None:
+        """A fresh matcher, the error that refuses the request, or None while it still compiles."""
+        entry = self._entry
+        if entry.future.done():
+            compiled = entry.future.result()
+            if compiled.error is not None:
+                return _renamed(compiled.error, self.constraint)
+            assert compiled.matcher is not None
+            return compiled.matcher.deep_copy()
+        if entry.started_at is not None and now - entry.started_at > self._compiler.timeout_s:
+            return _renamed(self._compiler.timeout_error(), self.constraint)
+        return None
+
+    def wait(self, timeout_s: float) -> None:
+        """Blocks up to `timeout_s` for the compile (the core loop's wait when nothing else can run)."""
+        with contextlib.suppress(TimeoutError):
+            self._entry.future.exception(timeout=timeout_s)
+
+
+class GrammarCompiler:
+    def __init__(self, *, model_path: str, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 num_threads: int = 1, timeout_s: float = 10.0, cache_size: int = 256) -> None:
+        self.timeout_s = timeout_s
+        self._model_path = model_path
+        self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[StructuredOutput, _Entry] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar-compile")
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_error: RuntimeError | None = None
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """Built on first use (in a pool thread): a server that never sees a constraint never pays for it."""
+        with self._lock:
+            if self._tokenizer is None and self._tokenizer_error is None:
+                try:
+                    self._tokenizer = load_llg_tokenizer(self._model_path, vocab_size=self._vocab_size,
+                                                         eos_token_ids=self._eos_token_ids)
+                except Exception as exc:
+                    logger.exception("cannot build llguidance's tokenizer for %s", self._model_path)
+                    self._tokenizer_error = RuntimeError(f"this model's tokenizer cannot be used for "
+                                                         f"structured output: {exc}")
+            if self._tokenizer_error is not None:
+                raise self._tokenizer_error
+            assert self._tokenizer is not None
+            return self._tokenizer
+
+    def submit(self, constraint: StructuredOutput) -> CompileJob:
+        # NOTE: the key leaves out the field name: the same language sent by either service compiles once.
+        key = constraint if not constraint.field_name else _without_field_name(constraint)
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
+            else:
+                entry = _Entry()
+                self._cache[key] = entry
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+                self._pool.submit(self._compile, key, entry)
+        return CompileJob(self, constraint, entry)
+
+    def timeout_error(self) -> RequestError:
+        return RequestError("", f"took longer than {self.timeout_s:g} s to compile")
+
+    def _compile(self, constraint: StructuredOutput, entry: _Entry) -> None:
+        entry.started_at = start = time.monotonic()
+        matcher = None
+        error: RequestError | None = None
+        try:
+            grammar = grammar_of(constraint)
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
+            if matcher.is_error():
+                error, matcher = RequestError("", matcher.get_error()), None
+        except RequestError as exc:
+            error = exc
+        except Exception as exc:  # the tokenizer, or the library failing on an input it should refuse
+            logger.exception("compiling a %s constraint failed", constraint.kind.value)
+            error = RequestError("", f"cannot be compiled: {exc}")
+        seconds = time.monotonic() - start
+        if error is None and seconds > self.timeout_s:
+            # NOTE: its request got its timeout error; a later one with this constraint gets it at once
+            error, matcher = self.timeout_error(), None
+        entry.future.set_result(Compiled(matcher, error, seconds))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _renamed(error: RequestError, constraint: StructuredOutput) -> RequestError:
+    """A compile error (cached: shared by every request with the same constraint) naming this request's field.
+
+    NOTE: errors are made for a constraint without a field name: their field is the kind's value, or a path
+    inside it ("structural_tag.tags[0].json_schema"), or "" for the constraint as a whole.
+    """
+    base = constraint.field_name or constraint.kind.value
+    suffix = error.field_name.removeprefix(constraint.kind.value)
+    return RequestError(base + suffix, error.detail)
+
+
+def _without_field_name(constraint: StructuredOutput) -> StructuredOutput:
+    return StructuredOutput(constraint.kind, constraint.spec, constraint.choices, constraint.tags,
+                            constraint.triggers)
