@@ -18,6 +18,7 @@ from engine_server.api import convert, responses
 from engine_server.api.errors import RequestFailed, ServerBusy, to_grpc_error
 from engine_server.api.in_flight import InFlight
 from engine_server.api.security.limits import count_received
+from engine_server.api.security.oneofs import oneof_conflict
 from engine_server.api.stream_limit import LocalStreamLimit, StreamSlot
 from engine_server.api.streamed_generate import StreamedGenerate
 from engine_server.engine.types import EngineDead
@@ -194,6 +195,8 @@ class EngineServicer(EngineServiceBase):
         try:
             msg = generate_pb2.GenerateRequest.FromString(body)
         except Exception:
+            return False
+        if oneof_conflict(msg, body) is not None:  # refused by `Generate`, on a task
             return False
         if not msg.stream:
             return False

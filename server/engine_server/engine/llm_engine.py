@@ -192,7 +192,9 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            # NOTE: a request whose constraint compiles is waiting too (for its grammar, not for room)
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self._compiling),
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,

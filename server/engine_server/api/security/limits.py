@@ -24,6 +24,8 @@ from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 from grpclib.server import Server, Stream
 
+from engine_server.api.security.oneofs import oneof_conflict
+
 MESSAGE_PREFIX = struct.Struct(">?I")  # gRPC's 5-byte message prefix: compressed flag, length
 
 
@@ -80,6 +82,9 @@ def decode_received(stream: Stream[Any, Any], body: bytes) -> Any:
         raise GRPCError(
             Status.INVALID_ARGUMENT, f"the request is not a valid {_type_name(stream._recv_type)}: {error}"
         ) from None
+    conflict = oneof_conflict(message, body)
+    if conflict is not None:
+        raise GRPCError(Status.INVALID_ARGUMENT, conflict)
     count_received(stream)
     return message
 

@@ -154,6 +154,9 @@ class GrammarCompiler:
         try:
             grammar = grammar_of(constraint)
             matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
+            # NOTE: the first mask builds the lexer states of the start; here it costs no step any time, and a
+            # grammar that cannot even start fails now rather than in the batch
+            matcher.compute_bitmask()
             if matcher.is_error():
                 error, matcher = RequestError("", matcher.get_error()), None
         except RequestError as exc:
