@@ -2,7 +2,10 @@
 
 Completion `index` of a request generates tokens `1000 * index + 100, +101, ...` one per output, with `delay`
 seconds of simulated compute between outputs, until max_tokens (LENGTH); max_tokens=None runs until aborted.
-A prompt starting with FAIL_TOKEN fails with FinishReason.ERROR after its first token.
+A prompt starting with FAIL_TOKEN fails with FinishReason.ERROR after its first token. `finish_reason` is
+what ends a completion at max_tokens (LENGTH unless a test sets it). With `rejects_constraints`, a request
+with a structured output fails with RequestError (naming its field) before its first output, as the engine
+core refuses a constraint that does not compile after admission.
 
 `push=True`: each request's outputs are produced on a task of their own and offered to the stream's sink
 first, as AsyncEngine's output task offers them (frontend/request_state.py); what the sink declines reaches
@@ -62,6 +65,7 @@ class FakeOutputs:
         self._ready: deque[GenerateOutput] = deque()  # produced, for the iterator
         self._changed = asyncio.Event()
         self._is_produced = False
+        self._error: Exception | None = None  # what the request failed with (raised once the rest is read)
         self._producer = asyncio.get_running_loop().create_task(self._produce()) if push else None
         self.num_pushed = 0  # outputs the sink took
 
@@ -83,6 +87,8 @@ class FakeOutputs:
             return await anext(self._outputs)
         while not self._ready:
             if self._is_produced:
+                if self._error is not None:
+                    raise self._error
                 raise StopAsyncIteration
             self._changed.clear()
             await self._changed.wait()
@@ -99,6 +105,8 @@ class FakeOutputs:
                 else:
                     self._ready.append(output)
                 self._changed.set()
+        except Exception as exc:  # NOTE: as RequestStream: the consumer gets the request's error
+            self._error = exc
         finally:
             self._is_produced = True
             self._changed.set()
@@ -126,6 +134,8 @@ class FakeEngine:
         self.state = EngineState.SERVING
         self.delay = delay
         self.push = push
+        self.finish_reason = FinishReason.LENGTH  # how a completion that reaches max_tokens ends
+        self.rejects_constraints = False
         self.streams: list[FakeOutputs] = []
         self.requests: dict[str, _Request] = {}
         self.received: list[GenerateRequest] = []
@@ -163,6 +173,11 @@ class FakeEngine:
         n = params.n
         num_tokens = 0
         try:
+            constraint = request.structured_output
+            if self.rejects_constraints and constraint is not None:
+                await asyncio.sleep(0)
+                state.finish = FinishReason.ERROR  # (refused, not cancelled)
+                raise RequestError(constraint.field_name, "does not compile (simulated)")
             while True:
                 if self.delay:
                     with contextlib.suppress(TimeoutError):
@@ -178,7 +193,7 @@ class FakeEngine:
                 state.has_output = True
                 failed = request.prompt_token_ids[0] == FAIL_TOKEN
                 is_last = params.max_tokens is not None and num_tokens >= params.max_tokens
-                finish = FinishReason.ERROR if failed else FinishReason.LENGTH if is_last else None
+                finish = FinishReason.ERROR if failed else self.finish_reason if is_last else None
                 chunks = []
                 for index in range(n):
                     token_id = expected_tokens(index, num_tokens)[-1]

@@ -107,11 +107,11 @@ class Harness:
     client: VllmClient
     metrics: ServerMetrics
 
-    async def call(self, *, stream: bool) -> tuple[list[Any], GRPCError | None]:
+    async def call(self, *, stream: bool, **params: Any) -> tuple[list[Any], GRPCError | None]:
         """Every message of one Generate call and its error (None: it ended OK)."""
         request = pb.GenerateRequest(request_id="r", tokenized=pb.TokenizedInput(input_ids=PROMPT),
                                      stream=stream,
-                                     sampling_params=pb.SamplingParams(max_tokens=100))
+                                     sampling_params=pb.SamplingParams(max_tokens=100, **params))
         messages: list[Any] = []
         async with asyncio.timeout(DEADLINE_S), self.client.generate(request) as call:
             await call.send_message(request, end=True)
@@ -203,6 +203,20 @@ async def test_non_stream_pushes_the_silent_outputs_and_sends_its_one_response_f
     assert harness.verdicts == [True, True, False]
     assert [m.WhichOneof("response") for m in messages] == ["complete"]
     assert list(messages[0].complete.output_ids) == [100, 101, 102]
+
+
+async def test_a_constrained_stream_sends_its_first_output_from_the_handler(harness: Harness) -> None:
+    harness.engine.script = [make_output([100], num_tokens=1), make_output([101], num_tokens=2),
+                             make_output([102], finish=FinishReason.DEAD_END, num_tokens=3)]
+    harness.engine.release.set()
+    messages, error = await harness.call(stream=True, regex="[ab]+")
+    assert error is None
+    # the headers wait for the first message (its constraint compiles after admission), so push cannot
+    # write it; what follows a declined output waits for the handler too (the stream offers nothing then)
+    assert harness.verdicts == [False, None, None]
+    assert [m.WhichOneof("response") for m in messages] == ["chunk"] * 3 + ["complete"]
+    assert [list(m.chunk.token_ids) for m in messages[:3]] == [[100], [101], [102]]
+    assert messages[-1].complete.finish_reason == "stop"
 
 
 class RecordingSender:

@@ -117,7 +117,7 @@ async def test_logprobs(client: VllmClient) -> None:
 
 
 @pytest.mark.parametrize(("params", "field"), [
-    ({"json_schema": "{}"}, "json_schema"),
+    ({"json_schema": ""}, "json_schema"),
     ({"logprobs": -1}, "logprobs"),
     ({"temperature": -1.0}, "temperature"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),

@@ -2,14 +2,25 @@
 
 Proto3 leaves unset scalars at zero; like vLLM's own servicer we read 0 as "default" where 0 is not a
 meaningful value (top_p, repetition_penalty, n) and use the `optional` presence bits elsewhere.
+
+Structured outputs: SamplingParams' `constraint` oneof -> our StructuredOutput, whose `field_name` is the
+oneof member's own (flat) name, so that a constraint the engine cannot compile is refused (INVALID_ARGUMENT)
+with "json_schema: ...", "grammar: ..." and so on, as this service names every other field.
 """
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
-from engine_server.engine.types import RequestError, SamplingParams
+from engine_server.engine.types import (
+    MAX_STRUCTURED_OUTPUT_BYTES,
+    RequestError,
+    SamplingParams,
+    StructuredOutput,
+    StructuredOutputKind,
+)
 from engine_server.frontend.outputs import GenerateRequest
 
 from .engine_handle import TokenizerLike
@@ -23,11 +34,65 @@ def engine_request_id(request_id: str) -> str:
     return ENGINE_ID_PREFIX + request_id
 
 
+# A GBNF (llama.cpp) grammar defines `root` with `::=`; Lark (llguidance's dialect) has neither.
+_GBNF_ROOT = re.compile(r"^[ \t]*root[ \t]*::=", re.MULTILINE)
+
+# The constraints whose text is the spec as it came (grammar is converted; json_object and choice have none)
+_SPEC_KINDS = {
+    "json_schema": StructuredOutputKind.JSON_SCHEMA,
+    "regex": StructuredOutputKind.REGEX,
+    # NOTE: JSON, in vLLM's legacy form ({"structures": [...], "triggers": [...]}) or xgrammar's
+    # ({"type": "structural_tag", "format": {...}}; smg 1.13 sends {"format": {...}} alone, for the tool
+    # parsers that have structural tags); the engine converts it where it compiles the constraint.
+    "structural_tag": StructuredOutputKind.STRUCTURAL_TAG_JSON,
+}
+
+
+def lark_grammar(text: str) -> str:
+    """vLLM's `grammar` as the Lark grammar our engine compiles.
+
+    vLLM takes an EBNF grammar (xgrammar's GBNF) or, with its guidance backend, Lark. We take Lark
+    (llguidance's dialect, https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md) as is, and a
+    GBNF grammar (one that defines `root ::= ...`) converted to Lark by llguidance's `gbnf_to_lark`; what
+    that converter does not take (some of xgrammar's EBNF extensions) is refused here, naming `grammar`.
+    """
+    if not _GBNF_ROOT.search(text) or len(text.encode()) > MAX_STRUCTURED_OUTPUT_BYTES:
+        return text  # Lark (or too large: StructuredOutput refuses it before anything parses it)
+    from llguidance.gbnf_to_lark import gbnf_to_lark  # (on first use: the package takes ~0.2 s to import)
+
+    try:
+        return gbnf_to_lark(text)
+    except Exception as exc:  # NOTE: GbnfToLarkError, or RecursionError for deep nesting
+        raise RequestError("grammar", f"a GBNF grammar (it defines root ::=) that does not convert to Lark: "
+                                      f"{exc}") from None
+
+
+def structured_output_from_proto(params: Any) -> StructuredOutput | None:
+    """SamplingParams' `constraint` oneof -> our StructuredOutput; None when there is none.
+
+    NOTE: `grammar_from_first_token` needs nothing here: our engine runs no reasoning parser, so a constraint
+    always applies from the first generated token, which is what that flag asks for (GetServerInfo reports
+    constrained_decoding_start "first_token").
+    """
+    kind = params.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        # NOTE: a bool in the oneof: false is "set" on the wire but asks for nothing.
+        if not params.json_object:
+            return None
+        return StructuredOutput(StructuredOutputKind.JSON_OBJECT, field_name=kind)
+    if kind == "choice":
+        return StructuredOutput(StructuredOutputKind.CHOICE, choices=tuple(params.choice.choices),
+                                field_name=kind)
+    if kind == "grammar":
+        return StructuredOutput(StructuredOutputKind.GRAMMAR, spec=lark_grammar(params.grammar),
+                                field_name=kind)
+    return StructuredOutput(_SPEC_KINDS[kind], spec=getattr(params, kind), field_name=kind)
+
+
 def sampling_params_from_proto(params: Any) -> SamplingParams:
     """Raises RequestError for values our engine does not serve (the message names the field)."""
-    constraint = params.WhichOneof("constraint")
-    if constraint is not None:
-        raise RequestError(constraint, "structured outputs are not supported by this engine")
     for name in ("logprobs", "prompt_logprobs"):
         if params.HasField(name) and getattr(params, name) < 0:
             raise RequestError(name, "-1 (all tokens) is not supported; ask for at most 20")
@@ -99,4 +164,5 @@ def generate_request_from_proto(
         # NOTE: the gateway detokenizes itself; text is only needed here to match stop strings.
         detokenize=bool(stop),
         skip_special_tokens=params.skip_special_tokens,
+        structured_output=structured_output_from_proto(params),
     )

@@ -16,6 +16,18 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from engine_server.engine.types import FinishReason, TokenLogprob
 from engine_server.frontend.outputs import CompletionChunk, GenerateOutput
 
+# vLLM's finish_reason strings. NOTE: smg matches exactly "stop", "length", "abort" and "error" (and turns a
+# "stop" with parsed tool calls into OpenAI's "tool_calls"); a constraint's dead end (no next token allowed:
+# the output is a valid but incomplete prefix of its language) has no vLLM name of its own, and "stop" is
+# what an OpenAI client handles: the completion ended where the constraint let it, not at max_tokens.
+FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+    FinishReason.DEAD_END: "stop",
+}
+
 
 class EngineRequestFailed(RuntimeError):
     """The engine failed while running the request (a FinishReason.ERROR completion)."""
@@ -138,7 +150,7 @@ class ResponseBuilder:
         reason = completion.finish_reason or FinishReason.ABORT
         message = pb.GenerateComplete(
             output_ids=completion.token_ids,
-            finish_reason=reason.value,
+            finish_reason=FINISH_REASONS[reason],
             prompt_tokens=len(self._prompt_token_ids),
             completion_tokens=len(completion.token_ids),
             cached_tokens=self._num_cached_tokens,

@@ -200,8 +200,8 @@ class VllmEngineServicer(VllmEngineBase):
             request = pb.GenerateRequest.FromString(body)
         except Exception:
             return False
-        if not request.stream:
-            return False
+        if not request.stream or request.sampling_params.WhichOneof("constraint") is not None:
+            return False  # (a constraint: its headers wait for its compile; see `_GenerateCall.run`)
         slot = None
         if self._stream_limit is not None:
             slot = StreamSlot.try_take(self._stream_limit)
@@ -332,6 +332,10 @@ class VllmEngineServicer(VllmEngineBase):
             block_size=info.block_size,
             model_dtype=info.dtype,
             max_num_seqs=self._options.max_num_seqs,
+            # NOTE: structured outputs: no reasoning parser runs in our engine, so a request's constraint
+            # applies from its first generated token (the gateway shapes its forced tool-call grammar by it).
+            engine_reasoning_parser="",
+            constrained_decoding_start="first_token",
         ))
 
     async def GetLoads(self, stream: RpcStream) -> None:
@@ -403,10 +407,15 @@ class _GenerateCall:
     async def run(self) -> None:
         """Every output the push sink declines, sent from here in order, then the end (on the call's task)."""
         sender, writer, outputs = self.sender, self.writer, self.outputs
-        if self.request.stream and not sender.initial_metadata_sent:
+        is_constrained = self.generate_request.structured_output is not None
+        if self.request.stream and not sender.initial_metadata_sent and not is_constrained:
             # The headers now, so that every message can leave from the push sink: the engine's output task
             # writes it in place without waking this task (as engine.v1's streamed Generate). stream=false
             # keeps them for its one response; push then only takes the outputs that produce no message.
+            # NOTE: a constrained stream's headers leave with its first message (push declines messages
+            # until then): its constraint compiles after admission, and a compile error must still end the
+            # call before any headers (trailers only, as vLLM answers), which smg turns into HTTP 400, not
+            # into an error event inside an HTTP 200 stream.
             await sender.send_initial_metadata()
         outputs.set_sink(writer.push)
         try:
