@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -31,6 +33,17 @@ def smg_command() -> list[str]:
     if not script.exists():
         raise FileNotFoundError("smg is not installed in this venv (requirements-dev.txt pins smg)")
     return [str(script)]
+
+
+def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The JSON events of an OpenAI server-sent-event stream, up to `[DONE]`."""
+    for line in response.iter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line.removeprefix("data:").strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
 
 
 class RunningGateway:

@@ -8,7 +8,6 @@ worker dies. Greedy output through smg must equal a direct engine.v1 Generate of
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ import httpx
 import pytest
 from engine_proto.engine.v1 import engine_service_pb2_grpc, generate_pb2, info_pb2
 from serverproc import RunningServer, start_servers
-from smgproc import RunningGateway, start_gateway
+from smgproc import RunningGateway, sse_events, start_gateway
 from tokenizers import Tokenizer
 
 MODEL = "tiny"
@@ -100,16 +99,6 @@ def wait_idle(workers: list[RunningServer], *, timeout: float = DEADLINE_S) -> f
             raise AssertionError(f"workers still busy after {timeout} s")
         time.sleep(0.05)
     return time.monotonic() - started
-
-
-def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
-    for line in response.iter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line.removeprefix("data:").strip()
-        if data == "[DONE]":
-            return
-        yield json.loads(data)
 
 
 def gateway_text(gateway: RunningGateway, endpoint: str, body: dict[str, Any]) -> tuple[str, str | None]:
