@@ -62,6 +62,9 @@ class CpuKernels(Protocol):
     def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          q_out: torch.Tensor, k_out: torch.Tensor) -> None: ...
 
+    def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor,
+                            bitmask: torch.Tensor) -> None: ...
+
     def isa(self) -> str: ...  # "avx512" or "portable"
 
 

@@ -10,12 +10,15 @@ Logprobs are computed from log_softmax of the RAW model logits (before any of th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_server.engine.sequence import Sequence
 from engine_server.engine.types import TokenLogprob
+
+if TYPE_CHECKING:
+    from engine_server.engine.structured.masks import AllowedTokens
 
 
 def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprob]:
@@ -35,22 +38,6 @@ def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[i
         top = tuple(zip(top_ids[i][:k], top_vals[i][:k], strict=True)) if k else ()
         out.append(TokenLogprob(token_id=token_id, logprob=lp, rank=rank, top=top))
     return out
-
-
-@dataclass(slots=True)
-class AllowedTokens:
-    """The structured-output constraint of some rows: mask[j] is what rows[j] may sample (never nothing)."""
-
-    rows: list[int]
-    mask: torch.Tensor  # bool [len(rows), vocab]
-
-
-def _only_stops_allowed(allowed: AllowedTokens | None, j: int, stop_ids: torch.Tensor) -> bool:
-    """Whether the constraint allows nothing but stop tokens (then its end wins over min_tokens)."""
-    assert allowed is not None
-    others = allowed.mask[j].clone()
-    others[stop_ids] = False
-    return not bool(others.any())
 
 
 class Sampler:
@@ -109,9 +96,11 @@ class Sampler:
                                                     dtype=x.dtype))
             if p.min_tokens > seq.num_output_tokens:
                 stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-                stop_t = torch.tensor(sorted(stop_ids), device=x.device, dtype=torch.long)
-                if stop_ids and not (i in mask_of and _only_stops_allowed(allowed, mask_of[i], stop_t)):
-                    row[stop_t] = float("-inf")
+                # NOTE: where the constraint allows nothing but stop tokens, its end wins over min_tokens
+                waived = allowed is not None and i in mask_of and allowed.only_stops_allowed(
+                    mask_of[i], sorted(stop_ids))
+                if stop_ids and not waived:
+                    row[torch.tensor(sorted(stop_ids), device=x.device)] = float("-inf")
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(seq.token_ids)), device=x.device)
                 vals = row[seen]
@@ -121,10 +110,10 @@ class Sampler:
                 counts = torch.bincount(out_ids, minlength=self.vocab_size)[:row.shape[0]].to(x.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
         if allowed is not None and allowed.rows:
-            if not copied:
+            # NOTE: the raw logits are needed again only for logprobs; otherwise the mask goes in place
+            if not copied and any(s.params.logprobs is not None for s in seqs):
                 x = logits.clone()
-            rows = torch.tensor(allowed.rows, device=x.device)
-            x.index_copy_(0, rows, x.index_select(0, rows).masked_fill_(~allowed.mask, float("-inf")))
+            allowed.apply(x)
         return x
 
     def _sample(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

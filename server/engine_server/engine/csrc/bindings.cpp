@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &engine_kernels::silu_and_mul, "T(silu(gate)) * up (CPU)");
   m.def("rotary_embedding", &engine_kernels::rotary_embedding,
         "q * cos + rotate_half(q) * sin for q and k, as transformers' apply_rotary_pos_emb (CPU)");
+  m.def("apply_token_bitmask", &engine_kernels::apply_token_bitmask,
+        "logits of the given rows set to -inf where the packed token bitmask is clear (CPU)");
   m.def("isa", [] {
 #if defined(ENGINE_AVX512)
     return "avx512";

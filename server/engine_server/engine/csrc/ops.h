@@ -31,4 +31,8 @@ void silu_and_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out)
 void rotary_embedding(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor& q_out, at::Tensor& k_out);
 
+// logits[rows[j], t] = -inf for every token t whose bit (bitmask[j, t / 32] >> t % 32) & 1 is clear: the
+// structured-output mask of some rows, in place (token_bitmask.cpp). logits: [batch, vocab] float32.
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask);
+
 }  // namespace engine_kernels
