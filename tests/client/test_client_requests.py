@@ -15,8 +15,9 @@ SUB_MESSAGES: dict[str, type[Message]] = {
     "stopping": generate_pb2.StoppingCriteria,
     "output": generate_pb2.OutputOptions,
 }
-# The knobs that render the input rather than travel in a sub-message.
-INPUT_KNOBS = {"add_special_tokens", "add_generation_prompt"}
+# The knobs outside the sampling / stopping / output sub-messages: input rendering, and the constraint
+# (structured_output, tested in test_client_structured.py).
+TOP_LEVEL_KNOBS = {"add_special_tokens", "add_generation_prompt", "structured_output"}
 
 
 def build(**knobs: object) -> generate_pb2.GenerateRequest:
@@ -30,7 +31,7 @@ def sub_message_of(knob: str) -> str:
 
 
 def test_every_sub_message_field_is_a_knob_and_every_knob_a_field() -> None:
-    knobs = {f.name for f in dataclasses.fields(GenerateParams)} - INPUT_KNOBS
+    knobs = {f.name for f in dataclasses.fields(GenerateParams)} - TOP_LEVEL_KNOBS
     fields = {f.name for message in SUB_MESSAGES.values() for f in message.DESCRIPTOR.fields}
     assert knobs == fields
 
@@ -64,7 +65,7 @@ def test_a_set_knob_creates_only_its_own_field(knob: str) -> None:
 ])
 def test_unset_and_zero_non_optional_knobs_leave_every_sub_message_unset(knobs: dict[str, object]) -> None:
     req = build(**knobs)
-    for name in (*SUB_MESSAGES, "add_special_tokens"):
+    for name in (*SUB_MESSAGES, "add_special_tokens", "structured_output"):
         assert not req.HasField(name), name  # type: ignore[arg-type]
 
 

@@ -10,6 +10,7 @@ import asyncio
 
 from engine_client import (
     AsyncEngineClient,
+    Choice,
     ConnectionOptions,
     EngineClient,
     EngineError,
@@ -18,8 +19,12 @@ from engine_client import (
     GenerateParams,
     GenerateResult,
     HealthStatus,
+    JsonSchema,
     OverloadedError,
     RetryPolicy,
+    StructuralTag,
+    StructuredOutput,
+    Tag,
     TLSConfig,
     Usage,
 )
@@ -47,6 +52,15 @@ def sync_main(target: str) -> list[int]:
         except OverloadedError as exc:
             request_id: str | None = exc.request_id
             print(exc.code.name, exc.message, request_id)
+        schema = JsonSchema({"type": "object", "properties": {"n": {"type": "integer"}}})
+        wire: str = schema.text
+        constraint: StructuredOutput = schema
+        json_text: str = client.complete("Hi", max_tokens=16, structured_output=constraint).text
+        first_choice: str = Choice(["a", "b"]).options[0]
+        tags = StructuralTag([Tag("<f>", {"type": "object"}, "</f>")], triggers=["<"])
+        params = GenerateParams(structured_output=tags)
+        if client.complete("Hi", params=params).finish_reason is FinishReason.CONSTRAINT_DEAD_END:
+            print(wire, json_text, first_choice)
         healthy: bool = client.health() is HealthStatus.SERVING
         running: int = client.load().num_running_requests
         print(healthy, running, client.model_info().vocab_size, client.detokenize(ids))

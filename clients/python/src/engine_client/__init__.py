@@ -28,6 +28,7 @@ from .errors import (
 )
 from .options import DEFAULT_TARGET, ConnectionOptions, RetryPolicy, TLSConfig
 from .params import GenerateOptions, GenerateParams
+from .structured import Choice, Grammar, JsonObject, JsonSchema, Regex, StructuralTag, StructuredOutput, Tag
 from .sync import EngineClient, GenerateStream
 from .types import (
     Completion,
@@ -56,6 +57,7 @@ __all__ = [
     "AsyncEngineClient",
     "AsyncGenerateStream",
     "AuthenticationError",
+    "Choice",
     "Completion",
     "ConnectionOptions",
     "DeadlineExceededError",
@@ -70,21 +72,28 @@ __all__ = [
     "GenerateParams",
     "GenerateResult",
     "GenerateStream",
+    "Grammar",
     "HealthStatus",
     "InternalError",
     "InvalidRequestError",
+    "JsonObject",
+    "JsonSchema",
     "Load",
     "ModelInfo",
     "ModelTask",
     "NotFoundError",
     "OverloadedError",
     "PermissionDeniedError",
+    "Regex",
     "RequestCancelledError",
     "RetryPolicy",
     "ServerInfo",
     "ServerLimits",
     "StatusCode",
+    "StructuralTag",
+    "StructuredOutput",
     "TLSConfig",
+    "Tag",
     "TokenLogprob",
     "TokenizeResult",
     "TopLogprob",

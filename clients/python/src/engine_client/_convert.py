@@ -27,7 +27,8 @@ from .types import (
 
 # NOTE: index = the proto enum number; numbers past the end (a newer server) and negative ones (enums are
 # open: any int32 parses) map to UNKNOWN/UNSPECIFIED.
-_FINISH = (None, FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
+_FINISH = (None, FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT,
+           FinishReason.CONSTRAINT_DEAD_END)
 _STATES = (EngineState.UNSPECIFIED, EngineState.STARTING, EngineState.SERVING, EngineState.DRAINING,
            EngineState.FAILED)
 _TASKS = (ModelTask.UNSPECIFIED, ModelTask.GENERATE, ModelTask.EMBED)

@@ -10,6 +10,7 @@ from engine_proto.engine.v1 import embed_pb2, generate_pb2, tokenize_pb2
 from google.protobuf.message import Message
 
 from .params import GenerateParams, merge_params
+from .structured import Choice, Grammar, JsonObject, JsonSchema, Regex, StructuredOutput
 
 ChatMessage = Mapping[str, str]
 
@@ -56,6 +57,25 @@ def _knobs_to_send(params: GenerateParams, knobs: tuple[tuple[str, bool], ...]) 
             if (value := getattr(params, name)) is not None and (has_presence or value)}
 
 
+def structured_output_message(constraint: StructuredOutput) -> generate_pb2.StructuredOutput:
+    """A constraint -> the ``StructuredOutput`` message, exactly one member of its ``kind`` oneof set."""
+    if isinstance(constraint, JsonSchema):
+        return generate_pb2.StructuredOutput(json_schema=constraint.text)
+    if isinstance(constraint, JsonObject):
+        return generate_pb2.StructuredOutput(json_object=generate_pb2.JsonObject())
+    if isinstance(constraint, Regex):
+        return generate_pb2.StructuredOutput(regex=constraint.pattern)
+    if isinstance(constraint, Grammar):
+        return generate_pb2.StructuredOutput(grammar=constraint.lark)
+    if isinstance(constraint, Choice):
+        return generate_pb2.StructuredOutput(choice=generate_pb2.Choice(choices=constraint.options))
+    # NOTE: the last member of the union; GenerateParams refused any other type.
+    tags = [generate_pb2.StructuralTagItem(begin=t.begin, json_schema=t.text, end=t.end)
+            for t in constraint.tags]
+    return generate_pb2.StructuredOutput(
+        structural_tag=generate_pb2.StructuralTag(tags=tags, triggers=constraint.triggers))
+
+
 def build_generate_request(
     prompt: str | None,
     *,
@@ -78,6 +98,8 @@ def build_generate_request(
         sampling=generate_pb2.SamplingParams(**sampling) if sampling else None,
         stopping=generate_pb2.StoppingCriteria(**stopping) if stopping else None,
         output=generate_pb2.OutputOptions(**output) if output else None,
+        structured_output=(structured_output_message(params.structured_output)
+                           if params.structured_output is not None else None),
     )
     if token_ids is not None:
         if len(token_ids) == 0:

@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypedDict
 
+from .structured import STRUCTURED_OUTPUT_TYPES, StructuredOutput
+
 __all__ = ["GenerateOptions", "GenerateParams"]
 
 _MAX_UINT32 = 2**32 - 1
@@ -49,6 +51,7 @@ class GenerateOptions(TypedDict, total=False):
     skip_special_tokens: bool | None
     add_special_tokens: bool | None
     add_generation_prompt: bool | None
+    structured_output: StructuredOutput | None
 
 
 def _check_uint(name: str, value: int | None, *, minimum: int = 0, maximum: int = _MAX_UINT32) -> None:
@@ -105,6 +108,8 @@ class GenerateParams:
     # Input rendering
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    # Constrained decoding: JsonSchema, JsonObject, Regex, Grammar, Choice or StructuralTag (None: free text)
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_uint("max_tokens", self.max_tokens, minimum=1)
@@ -134,6 +139,11 @@ class GenerateParams:
                 _check_uint("logit_bias key", token_id)
                 _check_float("logit_bias value", value)
             object.__setattr__(self, "logit_bias", bias)
+        constraint = self.structured_output
+        if constraint is not None and not isinstance(constraint, STRUCTURED_OUTPUT_TYPES):
+            # (an OpenAI-style dict such as {"type": "json_object"} lands here: say what to pass instead)
+            raise TypeError("structured_output must be a JsonSchema, JsonObject, Regex, Grammar, Choice or "
+                            f"StructuralTag (engine_client.structured), got {type(constraint).__name__}")
 
 
 def merge_params(params: GenerateParams | None, options: Mapping[str, object]) -> GenerateParams:

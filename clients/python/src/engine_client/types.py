@@ -38,6 +38,8 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # end-of-sequence token, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"  # Abort RPC, cancelled call, deadline or server shutdown
+    # structured_output allowed no next token: the output is a valid but incomplete prefix of its language
+    CONSTRAINT_DEAD_END = "constraint_dead_end"
     UNKNOWN = "unknown"  # a reason this client version does not know (a newer server)
 
 
