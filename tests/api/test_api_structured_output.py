@@ -13,10 +13,11 @@ import pytest
 from apiutil import CALL_TIMEOUT_S, completion_text, finish_reasons, greedy_request, wait_engine_idle
 from engine_proto.engine.v1 import generate_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
-from fuzz_calls import ENGINE_PREFIX, RawMessage, call, log_kept_clean
+from fuzz_calls import ENGINE_PREFIX, VLLM_PREFIX, RawMessage, call, log_kept_clean
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from serverproc import RunningServer
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 
 SO = generate_pb2.StructuredOutput
 SCHEMA = {
@@ -223,6 +224,26 @@ async def test_two_constraints_at_once(port: int) -> None:
         assert (outcome.message or "").startswith(
             "structured_output.kind: sets both json_schema and regex"
         ), outcome
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_two_constraints_at_once_vllm(port: int, stream: bool) -> None:
+    """The same on the vLLM-compatible service: its `constraint` oneof."""
+    base = vllm_pb.GenerateRequest(
+        request_id="two", tokenized=vllm_pb.TokenizedInput(input_ids=[5, 6, 7]), stream=stream
+    )
+    base.sampling_params.max_tokens = 8
+    base.sampling_params.regex = "a+"
+    extra = vllm_pb.GenerateRequest()
+    extra.sampling_params.choice.choices.append("yes")
+    raw = base.SerializeToString() + extra.SerializeToString()
+    outcome = await call(
+        port, VLLM_PREFIX + "Generate", RawMessage(raw), vllm_pb.GenerateResponse, streaming=True
+    )
+    assert outcome.status == Status.INVALID_ARGUMENT, outcome
+    assert (outcome.message or "").startswith("sampling_params.constraint: sets both regex and choice"), (
+        outcome
+    )
 
 
 async def test_server_serves_and_engine_idle_after_bad_constraints(stub: EngineServiceStub) -> None:

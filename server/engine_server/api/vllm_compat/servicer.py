@@ -28,6 +28,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from engine_server.api.fast_send import FastSender
 from engine_server.api.in_flight import InFlight
 from engine_server.api.security.limits import count_received
+from engine_server.api.security.oneofs import oneof_conflict
 from engine_server.api.stream_limit import StreamSlot
 from engine_server.frontend.outputs import EngineState
 
@@ -199,6 +200,8 @@ class VllmEngineServicer(VllmEngineBase):
         try:
             request = pb.GenerateRequest.FromString(body)
         except Exception:
+            return False
+        if oneof_conflict(request, body) is not None:  # refused by `Generate`, on a task
             return False
         if not request.stream or request.sampling_params.WhichOneof("constraint") is not None:
             return False  # (a constraint: its headers wait for its compile; see `_GenerateCall.run`)

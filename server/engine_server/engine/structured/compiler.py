@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -108,7 +109,8 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._cache: OrderedDict[StructuredOutput, _Entry] = OrderedDict()
-        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar-compile")
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar-compile",
+                                        initializer=_lower_priority)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_error: RuntimeError | None = None
 
@@ -172,6 +174,17 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# A compile thread's nice value: the step loop (and the mask fills it waits for) get the CPU first, so a burst
+# of expensive constraints slows their own admission, not the running requests' steps.
+COMPILE_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """In a compile thread (Linux: a thread has its own nice value); elsewhere a no-op."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
 
 
 def _renamed(error: RequestError, constraint: StructuredOutput) -> RequestError:
