@@ -18,6 +18,17 @@
 //		}
 //	}
 //
+// Structured output (constrained decoding) is a request option like the others: JSONSchema, JSONSchemaValue,
+// JSONObject, Regex, Grammar, Choices or StructuralTag constrains every completion to a language. The server
+// masks each token that cannot continue it, so the output is in the language whatever the model prefers. A
+// completion ends with FINISH_REASON_STOP once its output is complete, with FINISH_REASON_LENGTH when MaxTokens
+// comes first (the output is then an incomplete prefix), and with FINISH_REASON_CONSTRAINT_DEAD_END in the
+// rare case that a grammar allows no next token. A constraint the server cannot compile is INVALID_ARGUMENT
+// naming the field ("structured_output.regex: ...").
+//
+//	req := engine.TextPrompt("Is the sky blue?", engine.MaxTokens(64),
+//		engine.JSONSchema(`{"type":"object","properties":{"answer":{"enum":["yes","no"]}},"required":["answer"]}`))
+//
 // Errors returned by the client are gRPC status errors, so status.Code(err) gives the code the server sent
 // (INVALID_ARGUMENT, UNAUTHENTICATED, ...). Cancelling the context of a Generate call (or calling
 // GenerateStream.Close) cancels the RPC, and the server aborts the request in its engine.

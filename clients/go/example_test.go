@@ -2,6 +2,7 @@ package engine_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log"
 	"time"
@@ -96,4 +97,40 @@ func ExampleDial_mutualTLS() {
 		log.Fatal(err)
 	}
 	defer client.Close()
+}
+
+// Structured output: the completion is JSON matching the schema (a Go value here; JSONSchema takes text).
+func ExampleJSONSchemaValue() {
+	ctx := context.Background()
+	client, err := engine.Dial(ctx, "127.0.0.1:50051")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close()
+
+	schema, err := engine.JSONSchemaValue(map[string]any{
+		"type":                 "object",
+		"properties":           map[string]any{"answer": map[string]any{"enum": []string{"yes", "no"}}},
+		"required":             []string{"answer"},
+		"additionalProperties": false,
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	completion, err := client.Complete(ctx, engine.TextPrompt("Is the sky blue?", engine.MaxTokens(64), schema))
+	if err != nil {
+		log.Fatal(err) // INVALID_ARGUMENT naming the field for a schema the server cannot enforce
+	}
+	var reply struct{ Answer string }
+	if err := json.Unmarshal([]byte(completion.Text()), &reply); err != nil {
+		log.Fatal(err) // only when max tokens came first: FinishReason is then FINISH_REASON_LENGTH
+	}
+	fmt.Println(reply.Answer)
+
+	// One of a list of strings.
+	color, err := client.Complete(ctx, engine.TextPrompt("Pick a color:", engine.Choices("red", "green", "blue")))
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println(color.Text())
 }
