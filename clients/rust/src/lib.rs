@@ -19,7 +19,8 @@
 //! * [`Client::generate`] returns a [`GenerateStream`]; dropping it cancels the request on the server.
 //!   [`Client::complete`] gathers the whole result into a [`Completion`].
 //! * Every failure is an [`Error`]; server statuses keep their gRPC code ([`Error::code`]).
-//! * The generated messages are re-exported as [`proto`]; the [`request`] module has shortcuts to build them.
+//! * The generated messages are re-exported as [`proto`]; the [`request`] module has shortcuts to build them,
+//!   structured output (a JSON schema, a regex, a grammar, a choice, ...) among them.
 //!
 //! The crate's version follows the contract: `0.x` of this crate speaks `engine.v1`.
 #![warn(missing_docs)]

@@ -6,10 +6,43 @@
 //! let req = request::text("Once upon a time").max_tokens(16).greedy().stream(true).build();
 //! assert_eq!(req.stopping.unwrap().max_tokens, Some(16));
 //! ```
+//!
+//! # Structured output
+//!
+//! One builder method constrains every completion to a language (constrained decoding): the server masks each
+//! token that cannot continue it, so the output is in the language whatever the model prefers.
+//! [`json_schema`](GenerateRequestBuilder::json_schema),
+//! [`json_object`](GenerateRequestBuilder::json_object), [`regex`](GenerateRequestBuilder::regex),
+//! [`grammar`](GenerateRequestBuilder::grammar), [`choice`](GenerateRequestBuilder::choice) and
+//! [`structural_tag`](GenerateRequestBuilder::structural_tag) each set the request's one `structured_output`;
+//! of several, the last wins.
+//!
+//! A completion ends with [`FinishReason::Stop`] once its output is complete, with [`FinishReason::Length`]
+//! when `max_tokens` comes first (the output is then an incomplete prefix: give it room), and with
+//! [`FinishReason::ConstraintDeadEnd`] in the rare case that a grammar allows no next token. A constraint the
+//! server cannot compile is `InvalidArgument` naming the field (`structured_output.regex: ...`).
+//!
+//! ```
+//! use engine_client::proto::structured_output::Kind;
+//! use engine_client::request;
+//!
+//! let schema = r#"{"type":"object","properties":{"answer":{"enum":["yes","no"]}},"required":["answer"]}"#;
+//! let req = request::text("Is the sky blue?").max_tokens(64).json_schema(schema).build();
+//! assert_eq!(req.structured_output.unwrap().kind, Some(Kind::JsonSchema(schema.into())));
+//!
+//! let colors = request::text("Pick a color:").choice(["red", "green", "blue"]).build();
+//! let weather = request::tag("<function=get_weather>", r#"{"type":"object"}"#, "</function>");
+//! let tools = request::text("Use a tool.").structural_tag([weather], ["<function="]).build();
+//! ```
+//!
+//! [`FinishReason::Stop`]: crate::proto::FinishReason::Stop
+//! [`FinishReason::Length`]: crate::proto::FinishReason::Length
+//! [`FinishReason::ConstraintDeadEnd`]: crate::proto::FinishReason::ConstraintDeadEnd
 
 use engine_proto::engine::v1::{
-    embed_input, generate_request, tokenize_request, ChatMessage, ChatMessages, EmbedInput, EmbedRequest,
-    GenerateRequest, OutputOptions, SamplingParams, StoppingCriteria, TokenIds, TokenizeRequest,
+    embed_input, generate_request, structured_output, tokenize_request, ChatMessage, ChatMessages, Choice,
+    EmbedInput, EmbedRequest, GenerateRequest, JsonObject, OutputOptions, SamplingParams, StoppingCriteria,
+    StructuralTag, StructuralTagItem, StructuredOutput, TokenIds, TokenizeRequest,
 };
 
 /// A Generate request for a text prompt (tokenized by the server, special tokens added).
@@ -50,6 +83,17 @@ pub fn embed_texts<S: Into<String>>(texts: impl IntoIterator<Item = S>) -> Embed
 /// A Tokenize request for plain text (special tokens added, as the server's default).
 pub fn tokenize_text(text: impl Into<String>) -> TokenizeRequest {
     TokenizeRequest { input: Some(tokenize_request::Input::Text(text.into())), ..TokenizeRequest::default() }
+}
+
+/// One tag of a [structural tag](GenerateRequestBuilder::structural_tag): `begin` (which starts with one of
+/// the triggers), then JSON matching the JSON Schema `json_schema` (`""`: any JSON value), then `end` (may be
+/// `""`).
+pub fn tag(
+    begin: impl Into<String>,
+    json_schema: impl Into<String>,
+    end: impl Into<String>,
+) -> StructuralTagItem {
+    StructuralTagItem { begin: begin.into(), json_schema: json_schema.into(), end: end.into() }
 }
 
 /// Builds a [`GenerateRequest`] field by field; unset fields keep the server's defaults.
@@ -165,6 +209,55 @@ impl GenerateRequestBuilder {
         self
     }
 
+    /// Constrains every completion to a language (see [structured output](crate::request#structured-output));
+    /// the shortcuts below set each kind. Replaces any constraint set before.
+    pub fn structured_output(mut self, kind: structured_output::Kind) -> Self {
+        self.request.structured_output = Some(StructuredOutput { kind: Some(kind) });
+        self
+    }
+
+    /// JSON matching a JSON Schema (draft 2020-12) given as JSON text, for example a `serde_json::Value`'s
+    /// `to_string()`. See `generate.proto` for the keywords the server enforces; the output is compact JSON.
+    pub fn json_schema(self, schema: impl Into<String>) -> Self {
+        self.structured_output(structured_output::Kind::JsonSchema(schema.into()))
+    }
+
+    /// Any JSON object.
+    pub fn json_object(self) -> Self {
+        self.structured_output(structured_output::Kind::JsonObject(JsonObject {}))
+    }
+
+    /// Text that matches `pattern` as a whole (Rust regex syntax, anchored at both ends; no lookaround or
+    /// backreferences).
+    pub fn regex(self, pattern: impl Into<String>) -> Self {
+        self.structured_output(structured_output::Kind::Regex(pattern.into()))
+    }
+
+    /// Text in a context-free grammar in Lark syntax, as the llguidance library reads it (`start` is the
+    /// start rule).
+    pub fn grammar(self, lark: impl Into<String>) -> Self {
+        self.structured_output(structured_output::Kind::Grammar(lark.into()))
+    }
+
+    /// Exactly one of `choices` (at least one, each non-empty).
+    pub fn choice<S: Into<String>>(self, choices: impl IntoIterator<Item = S>) -> Self {
+        let choices = choices.into_iter().map(Into::into).collect();
+        self.structured_output(structured_output::Kind::Choice(Choice { choices }))
+    }
+
+    /// Free text in which tool calls are constrained: the text is free until it contains one of `triggers`;
+    /// from there it continues with the `begin` of a tag that starts with that trigger, JSON matching the
+    /// tag's schema, and the tag's `end`; then it is free again. Build the tags with [`tag`].
+    pub fn structural_tag<S: Into<String>>(
+        self,
+        tags: impl IntoIterator<Item = StructuralTagItem>,
+        triggers: impl IntoIterator<Item = S>,
+    ) -> Self {
+        let tags = tags.into_iter().collect();
+        let triggers = triggers.into_iter().map(Into::into).collect();
+        self.structured_output(structured_output::Kind::StructuralTag(StructuralTag { tags, triggers }))
+    }
+
     /// The finished request.
     pub fn build(self) -> GenerateRequest {
         self.request
@@ -191,6 +284,35 @@ mod tests {
         assert_eq!(req.stopping.unwrap().stop, ["\n"]);
         assert_eq!(req.output.unwrap().logprobs, Some(0));
         assert!(!req.stream);
+    }
+
+    #[test]
+    fn each_constraint_sets_its_kind_and_nothing_else() {
+        use structured_output::Kind;
+        let kind = |builder: GenerateRequestBuilder| {
+            let req = builder.build();
+            assert_eq!((req.sampling, req.stopping, req.output), (None, None, None));
+            req.structured_output.expect("structured_output set").kind.expect("kind set")
+        };
+        assert_eq!(kind(text("x").json_schema("{}")), Kind::JsonSchema("{}".into()));
+        assert_eq!(kind(text("x").json_object()), Kind::JsonObject(JsonObject {}));
+        assert_eq!(kind(text("x").regex("a+")), Kind::Regex("a+".into()));
+        assert_eq!(kind(text("x").grammar("start: \"a\"")), Kind::Grammar("start: \"a\"".into()));
+        assert_eq!(
+            kind(text("x").choice(["a", "b"])),
+            Kind::Choice(Choice { choices: vec!["a".into(), "b".into()] })
+        );
+        let tags = [tag("<f=a>", "{}", "</f>"), tag("<f=b>", "", "")];
+        assert_eq!(
+            kind(text("x").structural_tag(tags.clone(), ["<f="])),
+            Kind::StructuralTag(StructuralTag { tags: tags.to_vec(), triggers: vec!["<f=".into()] })
+        );
+        assert_eq!(text("x").build().structured_output, None);
+        // one constraint per request: the last one wins
+        assert_eq!(
+            kind(text("x").regex("a").choice(["b"])),
+            Kind::Choice(Choice { choices: vec!["b".into()] })
+        );
     }
 
     #[test]

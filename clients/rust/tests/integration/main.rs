@@ -7,6 +7,7 @@
 mod cases_drain;
 mod cases_generate;
 mod cases_security;
+mod cases_structured;
 mod cases_unary;
 mod certs;
 mod consumer;
@@ -151,6 +152,9 @@ fn all_cases() -> Vec<Case> {
         case!(cases_generate::abort_by_id, &[Plain]),
         case!(cases_generate::cancel_by_drop, &[Plain]),
         case!(cases_generate::deadline_exceeded, &[Plain]),
+        case!(cases_structured::json_schema_output_validates, &[Plain]),
+        case!(cases_structured::choice_regex_and_grammar, &[Plain]),
+        case!(cases_structured::invalid_constraint_names_the_field, &[Plain]),
         case!(cases_drain::stream_survives_server_drain, &[]),
         case!(cases_unary::embed, &[Embed]),
         case!(cases_unary::generate_on_embedding_model_is_invalid, &[Embed]),

@@ -124,3 +124,11 @@ pub fn unique_id(prefix: &str) -> String {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     format!("rust-{prefix}-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
 }
+
+/// Checks that `instance` is JSON valid against the JSON Schema `schema` (both as text), with the reference
+/// validator (Python's `jsonschema`, installed beside the server); panics with its message otherwise.
+pub fn assert_json_valid(instance: &str, schema: &str) {
+    const SCRIPT: &str =
+        "import json, sys, jsonschema; jsonschema.validate(json.loads(sys.argv[1]), json.loads(sys.argv[2]))";
+    python(SCRIPT, &[instance, schema], b"");
+}
