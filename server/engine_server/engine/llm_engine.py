@@ -81,8 +81,11 @@ class LLMEngine:
                                       max_model_len=loaded.info.max_model_len)
             self.runner.check_model()
         self.sampler = Sampler(vocab_size=loaded.info.vocab_size, eos_token_ids=loaded.info.eos_token_ids)
-        # Structured output: made on the first constrained request (most servers never see one).
+        # Structured output: the compiler starts now (its tokenizer builds in the background), so the first
+        # constrained request costs the step loop no import and no tokenizer build.
         self._grammar_compiler: GrammarCompiler | None = None
+        if self.runner is not None:
+            self._compiler()
         self._mask_filler: MaskFiller | None = None
         self._compiling: dict[str, _RequestState] = {}  # request_id -> state, oldest first
         self._rejected: list[tuple[str, RequestError]] = []  # refused after admission (their constraint)
@@ -275,11 +278,12 @@ class LLMEngine:
 
     def _advance_matchers(self, seqs: list[Sequence], tokens: list[int], rows: list[int], dead_ends: set[int]
                           ) -> set[int]:
-        """Each constrained row's matcher takes its sampled token; the rows whose matcher refused it.
+        """Each constrained row's matcher takes its sampled token; the rows whose matcher refused it, or was
+        in error already (its mask then allows only EOS: llguidance's "stop", not the language's end).
 
         NOTE: one at a time: ~1 us a row, cheaper than waking llguidance's thread pool (consume_token_par)."""
-        return {i for i in rows if i not in dead_ends and not seqs[i].matcher.consume_token(  # type: ignore[union-attr]
-            tokens[i])}
+        return {i for i in rows if i not in dead_ends and (
+            seqs[i].matcher.is_error() or not seqs[i].matcher.consume_token(tokens[i]))}  # type: ignore[union-attr]
 
     def _sampling_rows(self, step_logits: StepLogits, ordered: list[ScheduledSeq]
                        ) -> tuple[list[Sequence], list[int], list[int | None]]:

@@ -113,11 +113,15 @@ class GrammarCompiler:
                                         initializer=_lower_priority)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_error: RuntimeError | None = None
+        # NOTE: its own lock: building the tokenizer takes up to a second, and `submit` (the step loop) must
+        # never wait for that
+        self._tokenizer_lock = threading.Lock()
+        self._pool.submit(lambda: self.tokenizer)  # built at start-up, beside the model's warm-up
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        """Built on first use (in a pool thread): a server that never sees a constraint never pays for it."""
-        with self._lock:
+        """llguidance's view of the model's tokenizer (built once, in a pool thread)."""
+        with self._tokenizer_lock:
             if self._tokenizer is None and self._tokenizer_error is None:
                 try:
                     self._tokenizer = load_llg_tokenizer(self._model_path, vocab_size=self._vocab_size,
@@ -150,12 +154,15 @@ class GrammarCompiler:
         return RequestError("", f"took longer than {self.timeout_s:g} s to compile")
 
     def _compile(self, constraint: StructuredOutput, entry: _Entry) -> None:
-        entry.started_at = start = time.monotonic()
+        start = time.monotonic()
         matcher = None
         error: RequestError | None = None
         try:
+            # NOTE: the tokenizer is built once, by the first compile: not this constraint's compile time
+            tokenizer = self.tokenizer
+            entry.started_at = start = time.monotonic()
             grammar = grammar_of(constraint)
-            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
             # NOTE: the first mask builds the lexer states of the start; here it costs no step any time, and a
             # grammar that cannot even start fails now rather than in the batch
             matcher.compute_bitmask()
