@@ -102,7 +102,7 @@ async def test_running_requests_do_not_slow_down_while_constraints_compile(
         stub, flood_stub = EngineServiceStub(channel), EngineServiceStub(flood_channel)
         await probe(stub)  # warm-up
         before = await measure(stub)
-        stop, outcomes = asyncio.Event(), []
+        stop, outcomes = asyncio.Event(), list[int]()
         flooding = asyncio.create_task(flood(flood_stub, stop, outcomes))
         try:
             while len(outcomes) < 2:  # the pool is busy: at least one round compiled
