@@ -10,7 +10,13 @@ from typing import Any
 
 import llguidance
 import pytest
-from engine_server.engine.types import MAX_STRUCTURED_OUTPUT_BYTES, FinishReason, StructuredOutput
+from engine_server.engine.structured.grammars import grammar_of
+from engine_server.engine.types import (
+    MAX_STRUCTURED_OUTPUT_BYTES,
+    FinishReason,
+    RequestError,
+    StructuredOutput,
+)
 from engine_server.engine.types import StructuredOutputKind as Kind
 from fake_engine import FakeEngine, expected_tokens
 from grpclib.const import Status
@@ -55,16 +61,27 @@ async def test_each_constraint_reaches_the_engine(
     assert received.structured_output == expected
 
 
-async def test_gbnf_grammar_reaches_the_engine_as_lark(client: VllmClient, engine: FakeEngine) -> None:
+async def test_gbnf_grammar_reaches_the_engine_as_sent(client: VllmClient, engine: FakeEngine) -> None:
+    """The engine converts GBNF where it compiles (a Python conversion: never on the frontend's loop)."""
     await client.generate_all(make_request(stream=False, max_tokens=1, grammar=GBNF))
     constraint = engine.received[0].structured_output
     assert constraint is not None
-    assert (constraint.kind, constraint.field_name) == (Kind.GRAMMAR, "grammar")
-    assert constraint.spec == gbnf_to_lark(GBNF)
-    assert "::=" not in constraint.spec
-    # the Lark the engine gets is a grammar llguidance takes
-    grammar = llguidance.LLMatcher.grammar_from_lark(constraint.spec)
+    assert (constraint.kind, constraint.field_name, constraint.spec) == (Kind.GRAMMAR, "grammar", GBNF)
+    # what the engine compiles is the Lark llguidance's converter makes of it, and llguidance takes it
+    grammar = grammar_of(constraint)
+    assert grammar == llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(GBNF))
     assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+
+
+@pytest.mark.parametrize("text", [
+    'root ::= ("yes"',  # GBNF that does not parse
+    "root ::= " + "(" * 5000 + '"a"' + ")" * 5000,  # deeper than Python recurses
+], ids=["bad_gbnf", "deep_gbnf"])
+def test_gbnf_that_does_not_convert_is_refused_naming_grammar(text: str) -> None:
+    with pytest.raises(RequestError) as info:
+        grammar_of(StructuredOutput(Kind.GRAMMAR, spec=text, field_name="grammar"))
+    assert info.value.field_name == "grammar"
+    assert "GBNF" in str(info.value)
 
 
 async def test_grammar_from_first_token_changes_nothing(client: VllmClient, engine: FakeEngine) -> None:
@@ -80,12 +97,10 @@ async def test_grammar_from_first_token_changes_nothing(client: VllmClient, engi
 @pytest.mark.parametrize(("params", "field"), [
     ({"json_schema": ""}, "json_schema"),
     ({"regex": "  "}, "regex"),
-    ({"grammar": 'root ::= ("yes"'}, "grammar"),  # GBNF that does not parse
-    ({"grammar": "root ::= " + "(" * 5000 + '"a"' + ")" * 5000}, "grammar"),  # deeper than Python recurses
     ({"choice": pb.ChoiceConstraint()}, "choice"),
     ({"choice": pb.ChoiceConstraint(choices=["yes", ""])}, "choice"),
     ({"json_schema": json.dumps({"description": "x" * MAX_STRUCTURED_OUTPUT_BYTES})}, "json_schema"),
-], ids=["empty_schema", "blank_regex", "bad_gbnf", "deep_gbnf", "no_choices", "empty_choice", "too_large"])
+], ids=["empty_schema", "blank_regex", "no_choices", "empty_choice", "too_large"])
 async def test_malformed_constraints_are_refused_before_admission(
     client: VllmClient, engine: FakeEngine, params: dict[str, Any], field: str
 ) -> None:

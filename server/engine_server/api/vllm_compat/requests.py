@@ -10,12 +10,10 @@ with "json_schema: ...", "grammar: ..." and so on, as this service names every o
 
 from __future__ import annotations
 
-import re
 import uuid
 from typing import Any
 
 from engine_server.engine.types import (
-    MAX_STRUCTURED_OUTPUT_BYTES,
     RequestError,
     SamplingParams,
     StructuredOutput,
@@ -34,37 +32,18 @@ def engine_request_id(request_id: str) -> str:
     return ENGINE_ID_PREFIX + request_id
 
 
-# A GBNF (llama.cpp) grammar defines `root` with `::=`; Lark (llguidance's dialect) has neither.
-_GBNF_ROOT = re.compile(r"^[ \t]*root[ \t]*::=", re.MULTILINE)
-
-# The constraints whose text is the spec as it came (grammar is converted; json_object and choice have none)
+# The constraints whose text is the spec as it came (json_object and choice have none)
 _SPEC_KINDS = {
     "json_schema": StructuredOutputKind.JSON_SCHEMA,
     "regex": StructuredOutputKind.REGEX,
+    # NOTE: vLLM takes EBNF (xgrammar's GBNF) or, with its guidance backend, Lark; the engine takes Lark
+    # (llguidance's dialect) and converts a GBNF grammar (one that defines `root ::=`) where it compiles it.
+    "grammar": StructuredOutputKind.GRAMMAR,
     # NOTE: JSON, in vLLM's legacy form ({"structures": [...], "triggers": [...]}) or xgrammar's
     # ({"type": "structural_tag", "format": {...}}; smg 1.13 sends {"format": {...}} alone, for the tool
     # parsers that have structural tags); the engine converts it where it compiles the constraint.
     "structural_tag": StructuredOutputKind.STRUCTURAL_TAG_JSON,
 }
-
-
-def lark_grammar(text: str) -> str:
-    """vLLM's `grammar` as the Lark grammar our engine compiles.
-
-    vLLM takes an EBNF grammar (xgrammar's GBNF) or, with its guidance backend, Lark. We take Lark
-    (llguidance's dialect, https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md) as is, and a
-    GBNF grammar (one that defines `root ::= ...`) converted to Lark by llguidance's `gbnf_to_lark`; what
-    that converter does not take (some of xgrammar's EBNF extensions) is refused here, naming `grammar`.
-    """
-    if not _GBNF_ROOT.search(text) or len(text.encode()) > MAX_STRUCTURED_OUTPUT_BYTES:
-        return text  # Lark (or too large: StructuredOutput refuses it before anything parses it)
-    from llguidance.gbnf_to_lark import gbnf_to_lark  # (on first use: the package takes ~0.2 s to import)
-
-    try:
-        return gbnf_to_lark(text)
-    except Exception as exc:  # NOTE: GbnfToLarkError, or RecursionError for deep nesting
-        raise RequestError("grammar", f"a GBNF grammar (it defines root ::=) that does not convert to Lark: "
-                                      f"{exc}") from None
 
 
 def structured_output_from_proto(params: Any) -> StructuredOutput | None:
@@ -84,9 +63,6 @@ def structured_output_from_proto(params: Any) -> StructuredOutput | None:
         return StructuredOutput(StructuredOutputKind.JSON_OBJECT, field_name=kind)
     if kind == "choice":
         return StructuredOutput(StructuredOutputKind.CHOICE, choices=tuple(params.choice.choices),
-                                field_name=kind)
-    if kind == "grammar":
-        return StructuredOutput(StructuredOutputKind.GRAMMAR, spec=lark_grammar(params.grammar),
                                 field_name=kind)
     return StructuredOutput(_SPEC_KINDS[kind], spec=getattr(params, kind), field_name=kind)
 

@@ -8,6 +8,7 @@ JSON, a structural tag of the wrong shape).
 from __future__ import annotations
 
 import json
+import re
 
 import llguidance
 
@@ -17,6 +18,26 @@ from engine_server.engine.structured.structural_tag import (
     grammar_of_structural_tag_json,
 )
 from engine_server.engine.types import RequestError, StructuredOutput, StructuredOutputKind
+
+# A GBNF (llama.cpp) grammar defines `root` with `::=`; Lark (llguidance's dialect) has neither.
+_GBNF_ROOT = re.compile(r"^[ \t]*root[ \t]*::=", re.MULTILINE)
+
+
+def lark_grammar(field_name: str, text: str) -> str:
+    """A grammar as the Lark that llguidance compiles: Lark as it is, GBNF (one that defines `root ::= ...`)
+    converted by llguidance's gbnf_to_lark; what that converter does not take is refused.
+
+    NOTE: the conversion is Python (~2 ms a KB): here it runs on a compile thread, not on a frontend's loop.
+    """
+    if not _GBNF_ROOT.search(text):
+        return llguidance.LLMatcher.grammar_from_lark(text)
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(text))
+    except Exception as exc:  # NOTE: GbnfToLarkError, or RecursionError for deep nesting
+        raise RequestError(field_name, f"a GBNF grammar (it defines root ::=) that does not convert to Lark: "
+                                       f"{exc}") from None
 
 
 def lark_string(text: str) -> str:
@@ -40,7 +61,7 @@ def grammar_of(constraint: StructuredOutput) -> str:
     if kind is StructuredOutputKind.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(constraint.spec)
     if kind is StructuredOutputKind.GRAMMAR:
-        return llguidance.LLMatcher.grammar_from_lark(constraint.spec)
+        return lark_grammar(name, constraint.spec)
     if kind is StructuredOutputKind.CHOICE:
         return choice_grammar(constraint.choices)
     if kind is StructuredOutputKind.STRUCTURAL_TAG:

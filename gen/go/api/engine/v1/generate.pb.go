@@ -420,7 +420,8 @@ type StructuredOutput_Regex struct {
 
 type StructuredOutput_Grammar struct {
 	// A context-free grammar in Lark syntax, as the llguidance library reads it (rules in lower case,
-	// terminals in upper case, `start` is the start rule; /regex/ terminals, %json {schema} inclusions).
+	// terminals in upper case, `start` is the start rule; /regex/ terminals, %json {schema} inclusions), or
+	// in GBNF (llama.cpp's; a grammar that defines `root ::= ...`), which the server converts to Lark.
 	Grammar string `protobuf:"bytes,4,opt,name=grammar,proto3,oneof"`
 }
 

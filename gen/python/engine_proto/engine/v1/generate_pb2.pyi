@@ -194,7 +194,8 @@ class StructuredOutput(_message.Message):
     """
     grammar: _builtins.str
     """A context-free grammar in Lark syntax, as the llguidance library reads it (rules in lower case,
-    terminals in upper case, `start` is the start rule; /regex/ terminals, %json {schema} inclusions).
+    terminals in upper case, `start` is the start rule; /regex/ terminals, %json {schema} inclusions), or
+    in GBNF (llama.cpp's; a grammar that defines `root ::= ...`), which the server converts to Lark.
     """
     @_builtins.property
     def json_object(self) -> Global___JsonObject:

@@ -1140,7 +1140,8 @@ class StructuredOutput(betterproto2.Message):
     grammar: "str | None" = betterproto2.field(4, betterproto2.TYPE_STRING, optional=True, group="kind")
     """
     A context-free grammar in Lark syntax, as the llguidance library reads it (rules in lower case,
-    terminals in upper case, `start` is the start rule; /regex/ terminals, %json {schema} inclusions).
+    terminals in upper case, `start` is the start rule; /regex/ terminals, %json {schema} inclusions), or
+    in GBNF (llama.cpp's; a grammar that defines `root ::= ...`), which the server converts to Lark.
     """
 
     choice: "Choice | None" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, optional=True, group="kind")

@@ -105,7 +105,8 @@ pub mod structured_output {
         #[prost(string, tag="3")]
         Regex(::prost::alloc::string::String),
         /// A context-free grammar in Lark syntax, as the llguidance library reads it (rules in lower case,
-        /// terminals in upper case, `start` is the start rule; /regex/ terminals, %json {schema} inclusions).
+        /// terminals in upper case, `start` is the start rule; /regex/ terminals, %json {schema} inclusions), or
+        /// in GBNF (llama.cpp's; a grammar that defines `root ::= ...`), which the server converts to Lark.
         #[prost(string, tag="4")]
         Grammar(::prost::alloc::string::String),
         /// The output is exactly one of these strings. At least one; each non-empty.
