@@ -14,11 +14,14 @@ import re
 from typing import Any
 
 import jsonschema
+import regex  # type: ignore[import-untyped]  # (transformers' dependency, without type stubs)
 
 # Each schema: (name, schema). Objects close their properties (additionalProperties: false) or bound them:
 # llguidance lets an open object grow extra properties with any value, which need not end.
 SCHEMAS: list[tuple[str, dict[str, Any]]] = [
     ("flat_object", {
+        "$id": "https://example.com/person", "$comment": "annotations and unknown keys are ignored",
+        "examples": [{"name": "Ada", "age": 36}], "default": {"name": "", "age": 0}, "x-custom": {"a": 1},
         "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
                                                                            "maximum": 120}},
@@ -146,10 +149,16 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
                       "items": {"type": "object",
                                 "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
                                                "qty": {"type": "integer", "minimum": 1, "maximum": 10},
-                                               "price": {"type": "number", "minimum": 0, "maximum": 999}},
+                                               "price": {"type": "integer", "minimum": 0, "maximum": 999}},
                                 "required": ["sku", "qty"], "additionalProperties": False}},
             "note": {"type": "string", "maxLength": 10}},
         "required": ["id", "status", "lines"], "additionalProperties": False}),
+    ("min_properties_one", {
+        "type": "object", "minProperties": 1, "additionalProperties": False,
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"type": "boolean"}}}),
+    ("max_properties_one", {
+        "type": "object", "maxProperties": 1, "additionalProperties": False,
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"type": "boolean"}}}),
     ("top_level_boolean", {"type": "boolean"}),
     ("top_level_null", {"type": "null"}),
 ]
@@ -234,8 +243,7 @@ def schema_errors(schema: dict[str, Any], text: str) -> list[str]:
     return [error.message for error in validator.iter_errors(value)]
 
 
-# Regular expressions (Rust syntax, as llguidance reads them) and their Python equivalents, fullmatched.
-# NOTE: Rust's \d and \w are Unicode classes, as Python's are on str patterns; ASCII digits are [0-9] here.
+# Regular expressions (Rust syntax, as llguidance reads them), checked with regex_fullmatch.
 REGEXES: list[tuple[str, str]] = [
     ("iso_date", r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"),
     ("email", r"[a-z0-9._%+-]{1,12}@[a-z0-9-]{1,10}(\.[a-z]{2,4}){1,2}"),
@@ -253,6 +261,19 @@ REGEXES: list[tuple[str, str]] = [
     ("open_ended_letters", r"[a-z]{1,40}"),
     ("quoted_csv", r'"[a-z]{1,5}"(,"[a-z]{1,5}"){0,3}'),
 ]
+
+# NOTE: Rust's \d and \w are Unicode classes (UTS #18), and not quite Python's: Rust's \w has the marks (a
+# variation selector, category Mn, is a word character), and Rust's tables are newer than Python 3.11's
+# unicodedata (Unicode 14). So they are checked as the regex module's Unicode properties.
+_RUST_CLASSES = {r"\d": r"\p{Nd}", r"\w": r"[\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}]"}
+
+
+def regex_fullmatch(pattern: str, text: str) -> bool:
+    r"""Whether all of `text` matches `pattern` (Rust syntax, its \d and \w outside brackets)."""
+    for rust, ours in _RUST_CLASSES.items():
+        pattern = pattern.replace(rust, ours)
+    return regex.fullmatch(pattern, text) is not None
+
 
 # Lark grammars (llguidance's dialect). Recursion and repetition are bounded: a random model only stops
 # where the grammar makes it.
