@@ -507,6 +507,32 @@ def test_abort_while_running(so_engine: LLMEngine, text: TokenText) -> None:
         assert re.fullmatch("[a-z]{200}", completion.text), completion
 
 
+def test_chunked_prefill_and_a_completion_aborted_before_the_fork(model_dir: Path, text: TokenText) -> None:
+    """Prompts prefilled in chunks (with prompt logprobs); index 0 of n = 3 aborted before its siblings are
+    forked from it: they still start from the constraint's start state, and sample as they do without it."""
+    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=64, max_num_batched_tokens=16))
+    constraint = _schema(ORDER)
+    n3 = EngineRequest("n3", _prompt(125, 40), _params(5, n=3), constraint)
+    logprobs = EngineRequest("lp", _prompt(126, 50), _params(None, prompt_logprobs=2, logprobs=1), constraint)
+    engine.add_request(n3)
+    engine.add_request(logprobs)
+    assert engine.abort_completions([("n3", 0)]) == [("n3", 0)]
+    out = Collected()
+    while engine.has_unfinished():
+        out.add(engine.step())
+    assert_idle(engine)
+    result = completions(out, text)
+    assert result[("n3", 0)].finish is FinishReason.ABORT
+    for key in (("n3", 1), ("n3", 2), ("lp", 0)):
+        assert result[key].finish is FinishReason.STOP, (key, result[key])
+        assert schema_errors(ORDER, result[key].text) == [], (key, result[key])
+    (first,) = [d for d in out.deltas if d.request_id == "lp" and d.prompt_logprobs is not None]
+    assert len(first.prompt_logprobs or []) == 50
+    whole = run(engine, [n3])
+    assert [whole.tokens[("n3", i)] for i in (1, 2)] == [out.tokens[("n3", i)] for i in (1, 2)]
+    assert_idle(engine)
+
+
 # (constraint, field_name the error names, a fragment of llguidance's (or the schema parser's) message)
 BAD_CONSTRAINTS: dict[str, tuple[StructuredOutput, str, str]] = {
     "bad_regex": (StructuredOutput(Kind.REGEX, "[0-9]+(", field_name="structured_output.regex"),
