@@ -601,6 +601,12 @@ def test_max_tokens_first_ends_with_length(so_engine: LLMEngine, text: TokenText
     assert re.fullmatch("[0-9]{1,99}", digits.text), digits  # an incomplete prefix
     assert (choice.finish, len(choice.token_ids)) == (FinishReason.LENGTH, 3)
     assert any(c.startswith(choice.text) and c != choice.text for c in (long_choice, long_choice.upper()))
+    # the language ends on the last token max_tokens allows: STOP
+    exact = StructuredOutput(Kind.CHOICE, choices=(long_choice,))
+    whole = run(so_engine, [EngineRequest("whole", _prompt(152), _params(None), exact)]).tokens[("whole", 0)]
+    tie = run(so_engine, [EngineRequest("tie", _prompt(152), _params(None, max_tokens=len(whole)), exact)])
+    assert (tie.tokens[("tie", 0)], tie.finish[("tie", 0)]) == (whole, FinishReason.STOP)
+    assert_idle(so_engine)
 
 
 def test_stop_token_ids_end_a_constrained_completion(so_engine: LLMEngine, text: TokenText) -> None:
