@@ -441,3 +441,17 @@ def slow_schema(tag: str) -> dict[str, Any]:
     fields = [f"p{i}" for i in range(4)]
     return {"title": tag, "type": "object", "properties": dict.fromkeys(fields, value), "required": fields,
             "additionalProperties": False}
+
+
+def panicking_schema() -> dict[str, Any]:
+    """A schema on which llguidance 1.9.1 panics while compiling (an intersection of 6,561 objects overflows
+    its u16 symbol ids), after about a second on a slow core."""
+    names = ["a", "b", "c", "d"]
+
+    def branch(group: int, low: int) -> dict[str, Any]:
+        properties: dict[str, Any] = {name: {"type": "integer", "minimum": 0, "maximum": 99}
+                                      for name in names}
+        properties[names[group]] = {"type": "integer", "minimum": low, "maximum": low + 50}
+        return {"type": "object", "properties": properties, "required": names, "additionalProperties": False}
+
+    return {"allOf": [{"anyOf": [branch(group, low) for low in range(9)]} for group in range(4)]}

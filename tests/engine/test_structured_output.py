@@ -40,6 +40,7 @@ from structured_corpus import (
     check_arithmetic,
     check_sql,
     is_compact_json,
+    panicking_schema,
     regex_fullmatch,
     schema_errors,
     slow_schema,
@@ -584,6 +585,19 @@ def test_constraints_that_do_not_compile_are_refused(so_engine: LLMEngine, text:
     assert so_engine.step() == []
     assert sorted(request_id for request_id, _ in so_engine.pop_rejected()) == sorted(
         f"again{i}" for i in range(len(bad)))
+    assert_idle(so_engine)
+
+
+def test_a_library_panic_refuses_the_request_without_a_backtrace(so_engine: LLMEngine) -> None:
+    """llguidance's panic message is the client's error; its native backtrace (with the server's build paths)
+    is not."""
+    out = run(so_engine, [EngineRequest("panic", _prompt(145), _params(None), _schema(panicking_schema()))])
+    assert not out.deltas
+    ((request_id, error),) = so_engine.pop_rejected()
+    assert (request_id, error.field_name) == ("panic", "json_schema")
+    assert "assertion failed" in error.detail
+    assert "backtrace" not in error.detail
+    assert len(error.detail.splitlines()) == 1, error.detail
     assert_idle(so_engine)
 
 

@@ -167,7 +167,9 @@ class GrammarCompiler:
             # grammar that cannot even start fails now rather than in the batch
             matcher.compute_bitmask()
             if matcher.is_error():
-                error, matcher = RequestError("", matcher.get_error()), None
+                # NOTE: a panic in llguidance ends with a native backtrace (build paths): not for clients
+                message = matcher.get_error().split("\n<backtrace>", 1)[0]
+                error, matcher = RequestError("", message), None
         except RequestError as exc:
             error = exc
         except Exception as exc:  # the tokenizer, or the library failing on an input it should refuse
