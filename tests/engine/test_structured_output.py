@@ -713,7 +713,6 @@ def test_the_tokenizer_build_is_not_a_constraints_compile_time(model_dir: Path, 
     assert re.fullmatch("[0-9]{4}", out[("first", 0)].text)
 
 
-@pytest.mark.slow
 def test_a_compile_past_the_timeout_is_refused(model_dir: Path, text: TokenText) -> None:
     engine = LLMEngine(engine_config(model_dir, num_kv_blocks=64, grammar_compile_timeout_s=0.25))
     run(engine, [EngineRequest("warm", _prompt(200), _params(None), StructuredOutput(Kind.REGEX, "[0-9]"))])
