@@ -32,6 +32,8 @@ class EngineConfig:
     grammar_compile_threads: int = 1
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 256
+    # The longest a step waits for its token masks; past it the rows llguidance cannot mask end (dead end).
+    grammar_mask_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -54,7 +56,8 @@ class EngineConfig:
         for name in ("grammar_compile_threads", "grammar_cache_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if not self.grammar_compile_timeout_s > 0:
-            raise ValueError(f"grammar_compile_timeout_s: must be > 0, got {self.grammar_compile_timeout_s}")
+        for name in ("grammar_compile_timeout_s", "grammar_mask_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes: must be >= 1, got {self.kv_cache_memory_bytes}")

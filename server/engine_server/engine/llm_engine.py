@@ -195,14 +195,18 @@ class LLMEngine:
         return bool(self._requests)
 
     def stats(self) -> EngineStats:
+        running = self.scheduler.running
+        num_running = len({seq.request_id for seq in running})  # (n > 1: one request, several sequences)
         return EngineStats(
-            # NOTE: a request whose constraint compiles is waiting too (for its grammar, not for room)
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self._compiling),
+            # NOTE: every other request is waiting: queued, preempted, or for its grammar (its constraint
+            # compiles), not for room
+            num_running=num_running,
+            num_waiting=len(self._requests) - num_running,
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_hit_tokens=self.scheduler.num_prefix_cache_hit_tokens,
+            num_running_completions=len(running),
         )
 
     def embed(self, inputs: list[list[int]], *, normalize: bool) -> list[list[float]]:
@@ -229,7 +233,8 @@ class LLMEngine:
         masks = self._start_masks(sched.scheduled)
         step_logits, ordered = self.runner.execute(sched.scheduled)
         if masks is not None:
-            masks.wait()  # NOTE: before anything touches a matcher again (a fork copies its parent's)
+            # NOTE: before anything touches a matcher again (a fork copies its parent's)
+            self._mark_stuck(masks, sched.scheduled)
         # 3) the KV of the scheduled tokens now exists: count it, publish full blocks to the prefix cache
         for s in ordered:
             s.seq.num_computed_tokens += s.num_new_tokens
@@ -252,6 +257,16 @@ class LLMEngine:
                     deltas.append(self._append_token(seq, token, logprob))
         return deltas
 
+    def _mark_stuck(self, masks: MaskFill, scheduled: list[ScheduledSeq]) -> None:
+        """Waits for the step's masks; a row llguidance could not mask is stuck for good: its mask stays empty
+        (a dead end now) and nothing touches its matcher again (a stuck call holds it)."""
+        assert self._mask_filler is not None
+        stuck_rows = self._mask_filler.finish(masks)
+        if stuck_rows:
+            for s in scheduled:
+                if masks.row_of.get(s.seq.seq_id) in stuck_rows:
+                    s.seq.is_grammar_stuck = True
+
     def _start_masks(self, scheduled: list[ScheduledSeq]) -> MaskFill | None:
         """Starts filling the token masks of the constrained sequences that sample this step."""
         constrained = [s.seq for s in scheduled if s.seq.matcher is not None and s.completes]
@@ -260,7 +275,8 @@ class LLMEngine:
         if self._mask_filler is None:
             from engine_server.engine.structured.masks import MaskFiller
 
-            self._mask_filler = MaskFiller(self.model_info.vocab_size)
+            self._mask_filler = MaskFiller(self.model_info.vocab_size,
+                                           timeout_s=self.config.grammar_mask_timeout_s)
         return self._mask_filler.start(constrained)
 
     def _allowed_tokens(self, masks: MaskFill | None, mask_keys: list[int | None]
@@ -319,7 +335,9 @@ class LLMEngine:
             if index in state.finished_indices:  # aborted before it existed
                 continue
             child = self._new_sequence(state.request, index, list(parent.token_ids), parent.max_tokens)
-            if parent.matcher is not None:  # NOTE: forked before the parent's first token: the start state
+            if parent.is_grammar_stuck:  # (its row's empty mask ends the child too)
+                child.is_grammar_stuck = True
+            elif parent.matcher is not None:  # NOTE: forked before the parent's first token: the start state
                 child.matcher = parent.matcher.deep_copy()
             # NOTE: only full prompt blocks are shared; the child recomputes the partial tail
             # (< block_size tokens) into its own block, so no block is ever written by two owners.
@@ -375,7 +393,7 @@ class LLMEngine:
     def _dead_end(self, seq: Sequence) -> CompletionDelta:
         """The constraint allows no next token: the completion ends with what it has (no token is added)."""
         logger.debug("request %s completion %d: constraint dead end (%s)", seq.request_id, seq.index,
-                     seq.matcher.get_error() if seq.matcher is not None else "")
+                     "stuck" if seq.is_grammar_stuck or seq.matcher is None else seq.matcher.get_error())
         delta = CompletionDelta(request_id=seq.request_id, index=seq.index, new_token_ids=[],
                                 finish_reason=FinishReason.DEAD_END)
         if seq.is_first_output:

@@ -52,6 +52,8 @@ class Sequence:
     # The structured-output constraint's state, advanced by each sampled token (None: unconstrained).
     # NOTE: a preemption keeps it: recomputing the KV changes no token.
     matcher: LLMatcher | None = None
+    # llguidance never returned this completion's mask: a stuck call holds the matcher; never touched again
+    is_grammar_stuck: bool = False
 
     @property
     def num_tokens(self) -> int:

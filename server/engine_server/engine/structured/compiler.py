@@ -63,9 +63,10 @@ def load_llg_tokenizer(model_path: str, *, vocab_size: int, eos_token_ids: tuple
 class _Entry:
     """One constraint's compile, shared by every request that asks for it while it runs."""
 
-    __slots__ = ("future", "started_at")
+    __slots__ = ("constraint", "future", "started_at")
 
-    def __init__(self) -> None:
+    def __init__(self, constraint: StructuredOutput) -> None:
+        self.constraint = constraint
         self.future: Future[Compiled] = Future()
         self.started_at: float | None = None  # set when a pool thread starts on it
 
@@ -90,6 +91,7 @@ class CompileJob:
             assert compiled.matcher is not None
             return compiled.matcher.deep_copy()
         if entry.started_at is not None and now - entry.started_at > self._compiler.timeout_s:
+            self._compiler.abandon(entry)
             return _renamed(self._compiler.timeout_error(), self.constraint)
         return None
 
@@ -109,8 +111,10 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._cache: OrderedDict[StructuredOutput, _Entry] = OrderedDict()
-        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar-compile",
-                                        initializer=_lower_priority)
+        self._num_threads = num_threads
+        self._pool = self._new_pool()
+        self._queued: dict[_Entry, None] = {}  # submitted, not started: what a new pool must take over
+        self.num_abandoned = 0  # compiles that never returned (their threads spin on, out of our reach)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_error: RuntimeError | None = None
         # NOTE: its own lock: building the tokenizer takes up to a second, and `submit` (the step loop) must
@@ -143,17 +147,46 @@ class GrammarCompiler:
             if entry is not None:
                 self._cache.move_to_end(key)
             else:
-                entry = _Entry()
+                entry = _Entry(key)
                 self._cache[key] = entry
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
-                self._pool.submit(self._compile, key, entry)
+                self._queued[entry] = None
+                self._pool.submit(self._compile, entry)
         return CompileJob(self, constraint, entry)
+
+    def abandon(self, entry: _Entry) -> None:
+        """A compile past its timeout: its outcome is the timeout error (for every later request too), and if
+        it still runs, its thread is left to it and the queued compiles move to a fresh pool.
+
+        NOTE: a compile that never returns (a grammar llguidance loops on) would otherwise hold a compile
+        thread for good, and every constraint queued behind it would wait forever.
+        """
+        with self._lock:
+            if entry.future.done():
+                return
+            entry.future.set_result(Compiled(None, self.timeout_error(), self.timeout_s))
+            self.num_abandoned += 1
+            logger.error("a %s constraint did not compile within %g s; its thread is abandoned (%d so far)",
+                         entry.constraint.kind.value, self.timeout_s, self.num_abandoned)
+            old, self._pool = self._pool, self._new_pool()
+            old.shutdown(wait=False, cancel_futures=True)
+            for queued in self._queued:
+                self._pool.submit(self._compile, queued)
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self._num_threads, thread_name_prefix="grammar-compile",
+                                  initializer=_lower_priority)
 
     def timeout_error(self) -> RequestError:
         return RequestError("", f"took longer than {self.timeout_s:g} s to compile")
 
-    def _compile(self, constraint: StructuredOutput, entry: _Entry) -> None:
+    def _compile(self, entry: _Entry) -> None:
+        with self._lock:
+            if entry not in self._queued:  # a second pool took it over, or it was abandoned
+                return
+            del self._queued[entry]
+        constraint = entry.constraint
         start = time.monotonic()
         matcher = None
         error: RequestError | None = None
@@ -179,7 +212,9 @@ class GrammarCompiler:
         if error is None and seconds > self.timeout_s:
             # NOTE: its request got its timeout error; a later one with this constraint gets it at once
             error, matcher = self.timeout_error(), None
-        entry.future.set_result(Compiled(matcher, error, seconds))
+        with self._lock:
+            if not entry.future.done():  # (else abandoned meanwhile)
+                entry.future.set_result(Compiled(matcher, error, seconds))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

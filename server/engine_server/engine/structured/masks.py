@@ -2,12 +2,14 @@
 
 NOTE: llguidance's executor fills the masks of many matchers in parallel (its own threads) and drops the GIL
 meanwhile, so `start` hands that call to one Python thread and returns; the step's forward pass runs
-meanwhile, and `wait` joins before anything touches a matcher again.
+meanwhile, and `finish` joins (within a deadline) before anything touches a matcher again.
 """
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
@@ -15,6 +17,11 @@ import torch
 
 from engine_server.engine import cpu_kernels
 from engine_server.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+logger = logging.getLogger(__name__)
 
 
 class AllowedTokens:
@@ -54,15 +61,14 @@ class AllowedTokens:
 class MaskFill:
     """One step's masks being filled: row row_of[seq_id] of `bitmask` for that sequence."""
 
-    __slots__ = ("_future", "bitmask", "row_of")
+    __slots__ = ("bitmask", "future", "matchers", "row_of")
 
-    def __init__(self, bitmask: np.ndarray, row_of: dict[int, int], future: Future[None]) -> None:
+    def __init__(self, bitmask: np.ndarray, row_of: dict[int, int], matchers: list[tuple[LLMatcher, int]],
+                 future: Future[None]) -> None:
         self.bitmask = bitmask  # int32 [rows, ceil(vocab / 32)], bit t of a row = token t allowed
         self.row_of = row_of
-        self._future = future
-
-    def wait(self) -> None:
-        self._future.result()
+        self.matchers = matchers
+        self.future = future
 
     def allowed(self, sample_rows: list[int], keys: list[int]) -> AllowedTokens:
         """The masks of these sampling rows (keys[j]: the sequence whose mask rows[j] takes)."""
@@ -73,11 +79,21 @@ class MaskFill:
 
 
 class MaskFiller:
-    def __init__(self, vocab_size: int) -> None:
+    """Fills the masks of a step's constrained rows on a thread of its own, within a deadline.
+
+    NOTE: llguidance can loop for ever on some grammars (1.9.1: a terminal /a+/ followed by the literal "a").
+    A fill past `timeout_s` is abandoned with its threads (they spin on, out of reach); its rows are filled
+    again one by one on fresh threads, and a row whose matcher is still held by the stuck call, or that sticks
+    again, keeps an empty mask: a dead end for that completion, not a stalled engine.
+    """
+
+    def __init__(self, vocab_size: int, *, timeout_s: float = 1.0) -> None:
+        self.timeout_s = timeout_s
         self._words = (vocab_size + 31) // 32
-        # NOTE: llguidance's default: 80% of the cores (up to 32), at least one
-        self._executor = llguidance.LLExecutor()
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self._executor, self._thread = self._new_threads()
+        # NOTE: a stuck call still holds a pointer into its step's bitmask: kept alive (never reused) so that
+        # whatever it writes lands in memory nobody reads
+        self._abandoned: list[np.ndarray] = []
 
     def start(self, seqs: list[Sequence]) -> MaskFill:
         """Starts filling the masks of these constrained sequences (each has a matcher)."""
@@ -85,8 +101,35 @@ class MaskFiller:
         matchers = [(seq.matcher, i) for i, seq in enumerate(seqs) if seq.matcher is not None]
         future = self._thread.submit(self._executor.unsafe_compute_mask_ptr, matchers, bitmask.ctypes.data,
                                      self._words * 4, len(seqs))
-        return MaskFill(bitmask, {seq.seq_id: i for i, seq in enumerate(seqs)}, future)
+        return MaskFill(bitmask, {seq.seq_id: i for i, seq in enumerate(seqs)}, matchers, future)
 
+    def finish(self, fill: MaskFill) -> set[int]:
+        """Waits for the fill (at most `timeout_s`); the rows whose mask could not be had (left empty)."""
+        try:
+            fill.future.result(timeout=self.timeout_s)
+            return set()
+        except TimeoutError:
+            pass
+        logger.error("a step's token masks took longer than %g s (a grammar llguidance cannot mask); "
+                     "refilling its %d rows one by one", self.timeout_s, len(fill.matchers))
+        self._abandoned.append(fill.bitmask)
+        self._executor, self._thread = self._new_threads()
+        fill.bitmask = np.zeros_like(fill.bitmask)
+        stuck: set[int] = set()
+        for matcher, row in fill.matchers:
+            out = fill.bitmask[row]
+            try:
+                self._thread.submit(matcher.unsafe_compute_mask_ptr, out.ctypes.data,
+                                    out.nbytes).result(timeout=self.timeout_s)
+            except TimeoutError:  # stuck again: this row is one that llguidance loops on
+                self._abandoned.append(fill.bitmask)
+                self._executor, self._thread = self._new_threads()
+                fill.bitmask[row] = 0
+                stuck.add(row)
+            except RuntimeError:  # "Already mutably borrowed": the stuck call holds this matcher
+                stuck.add(row)
+        return stuck
 
-    def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
+    def _new_threads(self) -> tuple[llguidance.LLExecutor, ThreadPoolExecutor]:
+        # NOTE: llguidance's executor: 80% of the cores (up to 32), at least one thread
+        return llguidance.LLExecutor(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
