@@ -8,7 +8,7 @@ import random
 
 import pytest
 from engine_server.frontend.byte_level import ByteLevelDecoder
-from engine_server.frontend.detokenizer import Detokenizer, IncrementalDetokenizer, new_detokenizer
+from engine_server.frontend.detokenizer import Detokenizer, IncrementalDetokenizer
 from engine_server.frontend.tokenizer import Tokenizer
 
 SAMPLES = (
@@ -49,8 +49,7 @@ MODES = ["byte_tables", "decode_stream", "prefix_offsets"]
 def _detokenizer(tokenizer: Tokenizer, mode: str, *, skip_special_tokens: bool) -> Detokenizer:
     if mode == "byte_tables":
         assert tokenizer.byte_tables is not None  # the tiny model's tokenizer is byte-level BPE
-        detokenizer = new_detokenizer(tokenizer.backend, skip_special_tokens=skip_special_tokens,
-                                      byte_tables=tokenizer.byte_tables)
+        detokenizer = tokenizer.detokenizers.new([], skip_special_tokens=skip_special_tokens)
         assert isinstance(detokenizer, ByteLevelDecoder)
         return detokenizer
     return IncrementalDetokenizer(

@@ -138,7 +138,7 @@ class AsyncEngine:
         engine_request = EngineRequest(request_id, request.prompt_token_ids, request.params,
                                        request.structured_output)
         self._validate(engine_request, self.model_info)
-        state = RequestState(request, self.tokenizer.backend, self.tokenizer.byte_tables)
+        state = RequestState(request, self.tokenizer.detokenizers)
         self._requests[request_id] = state
         self._client.send(AddCommand(engine_request))
         return RequestStream(self, state)

@@ -18,11 +18,14 @@ from __future__ import annotations
 import logging
 import random
 from codecs import utf_8_decode as _utf_8_decode
+from collections.abc import Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 _PROBE_SEQUENCES = 200
+_REPLACEMENT = "\ufffd"
+_MAX_CONTEXT_TOKENS = 8  # the last ids that hold a prompt's incomplete last character (4 bytes at most)
 
 
 def _char_to_byte() -> dict[str, int]:
@@ -72,11 +75,31 @@ class ByteLevelTables:
     def table(self, *, skip_special_tokens: bool) -> list[bytes]:
         return self.skip_special if skip_special_tokens else self.keep_special
 
-    def decoder(self, *, skip_special_tokens: bool) -> ByteLevelDecoder:
-        """A new completion's decoder."""
+    def decoder(self, *, skip_special_tokens: bool, prompt_context: Sequence[int] = ()) -> ByteLevelDecoder:
+        """A new completion's decoder, after `prompt_context` (`prompt_context`: empty, or where the prompt
+        may end inside a character, its last ids)."""
         if skip_special_tokens:
-            return ByteLevelDecoder(self.skip_special, self.skip_texts)
-        return ByteLevelDecoder(self.keep_special, self.keep_texts)
+            table, texts = self.skip_special, self.skip_texts
+        else:
+            table, texts = self.keep_special, self.keep_texts
+        if not prompt_context:
+            return ByteLevelDecoder(table, texts)
+        size = len(table)
+        data = b"".join([table[token_id] for token_id in prompt_context if 0 <= token_id < size])
+        _, consumed = _utf_8_decode(data, "replace", False)
+        if consumed == len(data):
+            return ByteLevelDecoder(table, texts)
+        return _AfterPartialCharacter(table, texts, pending=data[consumed:])
+
+    def prompt_context(self, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool) -> list[int]:
+        """Nothing for a prompt that ends on a character boundary (byte-level text needs no context: its
+        decoder drops nothing), else its last ids, whose incomplete character the completion may complete."""
+        texts = self.skip_texts if skip_special_tokens else self.keep_texts
+        if prompt_token_ids:
+            last = prompt_token_ids[-1]
+            if 0 <= last < len(texts) and texts[last]:  # whole characters: the last ends on a boundary
+                return []
+        return list(prompt_token_ids[-_MAX_CONTEXT_TOKENS:])
 
     @classmethod
     def build(cls, backend: Any) -> ByteLevelTables | None:
@@ -127,10 +150,10 @@ class ByteLevelDecoder:
 
     __slots__ = ("_pending", "_table", "_texts")
 
-    def __init__(self, table: list[bytes], texts: list[str | None]) -> None:
+    def __init__(self, table: list[bytes], texts: list[str | None], *, pending: bytes = b"") -> None:
         self._table = table
         self._texts = texts  # whole_texts(table), built once per tokenizer (ByteLevelTables.decoder)
-        self._pending = b""  # the bytes of an incomplete character at the end, held back
+        self._pending = pending  # the bytes of an incomplete character at the end, held back
 
     def add(self, token_id: int) -> str:
         table = self._table
@@ -172,3 +195,31 @@ class ByteLevelDecoder:
         text, consumed = _utf_8_decode(data, "replace", False)
         self._pending = data[consumed:] if consumed < len(data) else b""
         return text
+
+
+class _AfterPartialCharacter(ByteLevelDecoder):
+    """The decoder of a completion whose prompt ends inside a character (token ids cut there): the prompt's
+    bytes of it start pending; a completion that completes the character starts with it, otherwise the U+FFFD
+    that the prompt's text shows for them is not repeated (the text is exactly decode(prompt + completion)
+    minus decode(prompt) then). A subclass, so that other completions' decoding pays nothing for it.
+    """
+
+    __slots__ = ("_is_prompt_pending",)
+
+    def __init__(self, table: list[bytes], texts: list[str | None], *, pending: bytes) -> None:
+        super().__init__(table, texts, pending=pending)
+        self._is_prompt_pending = True
+
+    def finish(self) -> str:
+        text = super().finish()
+        return self._after_prompt(text) if self._is_prompt_pending else text
+
+    def _decode(self, data: bytes) -> str:
+        text = super()._decode(data)
+        return self._after_prompt(text) if self._is_prompt_pending and text else text
+
+    def _after_prompt(self, text: str) -> str:
+        # The first text decoded from the prompt's pending bytes: U+FFFD first when they did not form a
+        # character (the prompt's text shows that one already), else the character they completed.
+        self._is_prompt_pending = False
+        return text[1:] if text.startswith(_REPLACEMENT) else text

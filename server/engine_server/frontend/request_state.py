@@ -8,11 +8,9 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 from engine_server.engine.types import CompletionDelta, FinishReason, TokenLogprob
-from engine_server.frontend.byte_level import ByteLevelTables
-from engine_server.frontend.detokenizer import new_detokenizer
+from engine_server.frontend.detokenizer import DetokenizerFactory
 from engine_server.frontend.outputs import (
     CompletionChunk,
     GenerateOutput,
@@ -28,11 +26,12 @@ logger = logging.getLogger(__name__)
 class _Completion:
     __slots__ = ("detokenizer", "is_finished", "matcher", "num_tokens")
 
-    def __init__(self, request: GenerateRequest, backend: Any, byte_tables: ByteLevelTables | None) -> None:
-        needs_text = request.detokenize or bool(request.stop)
+    def __init__(
+        self, request: GenerateRequest, detokenizers: DetokenizerFactory, context: list[int] | None
+    ) -> None:
         self.detokenizer = (
-            new_detokenizer(backend, skip_special_tokens=request.skip_special_tokens, byte_tables=byte_tables)
-            if needs_text
+            detokenizers.new(context, skip_special_tokens=request.skip_special_tokens)
+            if context is not None
             else None
         )
         self.matcher = (
@@ -71,13 +70,18 @@ class RequestState:
         "waiter",
     )
 
-    def __init__(
-        self, request: GenerateRequest, backend: Any, byte_tables: ByteLevelTables | None = None
-    ) -> None:
+    def __init__(self, request: GenerateRequest, detokenizers: DetokenizerFactory) -> None:
         self.request_id = request.request_id
         self._request = request
         n = request.params.n
-        self._completions = [_Completion(request, backend, byte_tables) for _ in range(n)]
+        # The prompt's last ids that every completion's text is decoded after (None: no text is needed).
+        context = (
+            detokenizers.prompt_context(
+                request.prompt_token_ids, skip_special_tokens=request.skip_special_tokens)
+            if request.detokenize or request.stop
+            else None
+        )
+        self._completions = [_Completion(request, detokenizers, context) for _ in range(n)]
         self._pending: dict[int, CompletionChunk] = {}
         # Plain news (new tokens and text of completion 0, nothing else pending) gathers here, not in a
         # CompletionChunk: most news is plain and goes to the plain sink as it is (outputs.PlainSink).

@@ -9,6 +9,7 @@ from typing import Any
 
 from engine_server.engine.types import RequestError
 from engine_server.frontend.byte_level import ByteLevelTables
+from engine_server.frontend.detokenizer import DetokenizerFactory
 from engine_server.frontend.hf_tokenizer import load_hf_tokenizer
 
 
@@ -30,7 +31,8 @@ class Tokenizer:
     """
 
     __slots__ = (
-        "_hf", "backend", "bos_token_id", "byte_tables", "eos_token_id", "path", "special_ids", "vocab_size"
+        "_hf", "backend", "bos_token_id", "byte_tables", "detokenizers", "eos_token_id", "path",
+        "special_ids", "vocab_size",
     )
 
     def __init__(self, path: str | Path) -> None:
@@ -54,6 +56,7 @@ class Tokenizer:
         self.special_ids: frozenset[int] = frozenset(hf.all_special_ids)
         # NOTE: built here (start-up runs this off the event loop): ~0.2 s for a 150k vocabulary.
         self.byte_tables: ByteLevelTables | None = ByteLevelTables.build(backend)
+        self.detokenizers = DetokenizerFactory(backend, self.byte_tables)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> Encoding:
         encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
