@@ -128,12 +128,13 @@ class RawH2:
     async def wait_closed(self) -> None:
         await asyncio.wait_for(self.closed.wait(), WAIT_S)
 
-    def start_call(self, path: str, message: bytes, *, reset: bool = False) -> int:
-        """Queue a unary call (HEADERS + DATA); with reset, cancel it at once (rapid reset)."""
+    def start_call(self, path: str, message: bytes, *, reset: bool = False, end_stream: bool = True) -> int:
+        """Queue a unary call (HEADERS + DATA); with reset, cancel it at once (rapid reset); without
+        end_stream, the stream stays open (counted against the server's limit) until `conn.end_stream`."""
         stream_id = self.conn.get_next_available_stream_id()
         headers = grpc_headers(self.port, path, scheme=self._scheme, metadata=self._metadata)
         self.conn.send_headers(stream_id, headers)
-        self.conn.send_data(stream_id, grpc_frame(message), end_stream=True)
+        self.conn.send_data(stream_id, grpc_frame(message), end_stream=end_stream)
         if reset:
             self.conn.reset_stream(stream_id, error_code=ErrorCodes.CANCEL)
         return stream_id
@@ -154,12 +155,17 @@ class RawH2:
 
 @contextlib.asynccontextmanager
 async def raw_h2(
-    port: int, *, ssl: SSLContext | None = None, metadata: tuple[tuple[str, str], ...] = ()
+    port: int, *, ssl: SSLContext | None = None, metadata: tuple[tuple[str, str], ...] = (),
+    with_preface: Callable[[RawH2], object] | None = None,
 ) -> AsyncIterator[RawH2]:
-    """A raw connection; `metadata` goes on every call (e.g. the API key)."""
+    """A raw connection; `metadata` goes on every call (e.g. the API key). `with_preface(raw)` queues frames
+    that leave with the preface, before anything from the server was read (its SETTINGS bind the client's h2
+    only once read: e.g. more streams than the server allows)."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, ssl=ssl), WAIT_S)
     raw = RawH2(port, reader, writer, is_tls=ssl is not None, metadata=metadata)
     raw.conn.initiate_connection()
+    if with_preface is not None:
+        with_preface(raw)
     raw._read_task = asyncio.get_running_loop().create_task(raw._read_loop())
     try:
         await raw.flush()

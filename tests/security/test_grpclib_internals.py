@@ -1,20 +1,25 @@
 """Canary: the grpclib (0.4.x) and h2 internals the security layer hooks into. An upgrade that fails here
-needs api/security/{h2_guard,limits,goaway}.py revisited before anything else."""
+needs api/security/{h2_guard,limits,goaway}.py (and api/{h2_streams,fast_path,fast_send}.py) revisited before
+anything else."""
 
 from __future__ import annotations
 
 import inspect
+from collections import deque
 
 import grpclib.protocol
 import grpclib.server
 import hpack
+import pytest
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.stream import recv_message
 from h2.config import H2Configuration
-from h2.connection import H2Connection
+from h2.connection import ConnectionState, H2Connection
 from h2.events import ConnectionTerminated
+from h2.exceptions import TooManyStreamsError
 from h2.settings import SettingCodes, Settings
 from h2.stream import H2Stream
+from hyperframe.frame import HeadersFrame
 
 
 def test_hooks_exist() -> None:
@@ -90,3 +95,33 @@ def test_fast_path_internals() -> None:
     decoder_source = inspect.getsource(hpack.Decoder)
     assert "self.header_table.add(" in decoder_source
     assert "dynamic_entries" not in decoder_source
+
+
+def test_h2_refuses_a_stream_past_the_limit_before_anything_changed() -> None:
+    # api/h2_streams.py refuses such a stream alone by catching h2's TooManyStreamsError from the HEADERS
+    # frame's handler (which it puts in the connection's frame dispatch table) and opening the stream again:
+    # h2 must raise before it decoded the block (the HPACK table), counted the frame or made the stream.
+    server = H2Connection(H2Configuration(client_side=False))
+    server.initiate_connection()
+    server.local_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS] = deque([1])
+    assert server._frame_dispatch_table[HeadersFrame] == server._receive_headers_frame
+    encoder = hpack.Encoder()
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authority", "a"), ("x-new", "1")]
+    server.receive_data(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _headers_frame(1, encoder.encode(headers)))
+    table_size = len(server.decoder.header_table.dynamic_entries)
+    second = HeadersFrame(3)
+    second.data = encoder.encode([*headers, ("x-second", "2")])
+    second.flags.add("END_HEADERS")
+    with pytest.raises(TooManyStreamsError):
+        server._receive_headers_frame(second)
+    assert len(server.decoder.header_table.dynamic_entries) == table_size
+    assert 3 not in server.streams
+    assert server.highest_inbound_stream_id == 1
+    assert server.state_machine.state is ConnectionState.SERVER_OPEN
+
+
+def _headers_frame(stream_id: int, block: bytes) -> bytes:
+    frame = HeadersFrame(stream_id)
+    frame.data = block
+    frame.flags.add("END_HEADERS")
+    return frame.serialize()

@@ -1,4 +1,5 @@
-"""HTTP/2 abuse from a raw client: PING flood, rapid reset, control-frame floods -> GOAWAY and close.
+"""HTTP/2 abuse from a raw client: PING flood, rapid reset, control-frame floods -> GOAWAY and close; streams
+past the advertised limit -> refused alone.
 
 Every flood is bounded in frames and time; a well-behaved client on another connection is served throughout.
 """
@@ -17,8 +18,9 @@ from engine_proto.engine.v1.tokenize_pb2 import TokenizeRequest
 from engine_server.api.security import H2Policy, SecurityConfig
 from grpclib.client import Channel
 from h2.errors import ErrorCodes
+from h2.events import DataReceived, ResponseReceived, StreamReset, TrailersReceived
 from sec_fakes import WAIT_S, Served, serve
-from sec_raw_h2 import RawH2, raw_h2
+from sec_raw_h2 import RawH2, raw_h2, text_headers
 
 TOKENIZE = "/engine.v1.EngineService/Tokenize"
 GENERATE = "/engine.v1.EngineService/Generate"
@@ -203,3 +205,79 @@ async def test_rapid_reset_in_separate_reads_is_bounded_by_the_reset_budget() ->
         # At most the budget (plus the batch in flight) reached the engine, and all of it was aborted.
         await served.engine.wait_for(lambda: served.engine.num_running == 0)
         assert served.engine.num_aborted <= policy.reset_burst + 100
+
+
+async def test_a_stream_past_the_advertised_limit_is_refused_alone() -> None:
+    # RFC 9113 5.1.2: a stream past SETTINGS_MAX_CONCURRENT_STREAMS is a stream error, REFUSED_STREAM (gRPC
+    # clients retry it: nothing was processed). h2 alone made it a connection error: GOAWAY(PROTOCOL_ERROR),
+    # and every other stream of the connection was lost.
+    limit = 4
+    request = generate_pb2.GenerateRequest(
+        request_id="held", stopping=generate_pb2.StoppingCriteria(max_tokens=3)
+    ).SerializeToString()
+    held: list[int] = []
+    extra: list[int] = []
+
+    def open_past_the_limit(raw: RawH2) -> None:
+        # Sent with the preface (the client has not read the limit yet); the first streams are held open
+        # (not ended by the client: counted until the end of the test, however fast they are answered)
+        held.extend(raw.start_call(GENERATE, request, end_stream=False) for _ in range(limit))
+        extra.append(raw.start_call(GENERATE, request))
+
+    config = SecurityConfig(h2=H2Policy(max_concurrent_streams=limit))
+    async with serve(config) as served, raw_h2(served.port, with_preface=open_past_the_limit) as raw:
+        (refused,) = extra
+        await raw.wait_stream_done(refused)
+        resets = [e for e in raw.events if isinstance(e, StreamReset)]
+        assert [(e.stream_id, e.error_code) for e in resets] == [(refused, ErrorCodes.REFUSED_STREAM)]
+        # The other streams are answered in full, and the connection serves on.
+        await raw.wait_until(lambda: all(_status(raw, stream_id) is not None for stream_id in held))
+        assert [_status(raw, stream_id) for stream_id in held] == ["0"] * limit
+        assert [len(_messages(raw, stream_id)) for stream_id in held] == [3] * limit
+        for stream_id in held:
+            raw.conn.end_stream(stream_id)
+        after = raw.start_call(GENERATE, request)
+        await raw.flush()
+        await raw.wait_until(lambda: _status(raw, after) is not None)
+        assert _status(raw, after) == "0"
+        assert raw.goaway is None
+        assert not raw.is_closed
+        assert served.engine.num_started == limit + 1  # the refused stream never reached the engine
+        assert served.server.guard_stats.num_refused_streams == 1
+        assert served.server.guard_stats.goaways == {}
+
+
+async def test_streams_refused_past_the_limit_spend_the_reset_budget() -> None:
+    # Each refusal costs the server a header block's decoding and a frame: a client that keeps opening
+    # streams past the limit is closed like one that keeps resetting them.
+    policy = H2Policy(max_concurrent_streams=2, reset_burst=20, reset_rate_per_s=1.0)
+    message = generate_pb2.GenerateRequest(request_id="endless").SerializeToString()  # never finishes
+
+    def flood_past_the_limit(raw: RawH2) -> None:
+        for _ in range(2 + 30):
+            raw.start_call(GENERATE, message)
+
+    async with serve(SecurityConfig(h2=policy)) as served, bystander(served.port):
+        async with raw_h2(served.port, with_preface=flood_past_the_limit) as raw:
+            await raw.wait_closed()
+            assert_calm_goaway(raw, b"too_many_refused_streams")
+        stats = served.server.guard_stats
+        assert stats.goaways == {"too_many_refused_streams": 1}
+        assert stats.num_refused_streams == policy.reset_burst + 1
+        await served.engine.wait_for(lambda: served.engine.num_running == 0)
+
+
+def _headers_of(raw: RawH2, stream_id: int) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for event in raw.events:
+        if isinstance(event, ResponseReceived | TrailersReceived) and event.stream_id == stream_id:
+            headers.update(text_headers(event))
+    return headers
+
+
+def _status(raw: RawH2, stream_id: int) -> str | None:
+    return _headers_of(raw, stream_id).get("grpc-status")
+
+
+def _messages(raw: RawH2, stream_id: int) -> list[bytes]:
+    return [e.data for e in raw.events if isinstance(e, DataReceived) and e.stream_id == stream_id]

@@ -1,5 +1,6 @@
-"""api/h2_streams.py: the lazy open-stream count behaves exactly like h2's own (same events, same frames, the
-same refusal at the limit) and still drops closed streams from the table."""
+"""api/h2_streams.py: the lazy open-stream count behaves exactly like h2's own (same events, same frames) and
+still drops closed streams from the table; a stream past the limit is refused alone (RST_STREAM
+REFUSED_STREAM, RFC 9113 5.1.2), where h2 fails the whole connection."""
 
 from __future__ import annotations
 
@@ -11,9 +12,16 @@ from typing import Any
 import pytest
 from engine_server.api.h2_streams import CachingDecoder, LazyCountingH2Connection, use_lazy_counting
 from h2.config import H2Configuration
-from h2.connection import H2Connection
+from h2.connection import ConnectionState, H2Connection
 from h2.errors import ErrorCodes
-from h2.events import DataReceived
+from h2.events import (
+    ConnectionTerminated,
+    DataReceived,
+    RequestReceived,
+    StreamEnded,
+    StreamReset,
+    WindowUpdated,
+)
 from h2.exceptions import ProtocolError, TooManyStreamsError
 from h2.settings import SettingCodes
 from h2.stream import StreamState
@@ -45,7 +53,8 @@ def _pair(
 
 
 def _run(script: list[tuple[str, int]], *, lazy: bool, limit: int = LIMIT) -> tuple[list[str], list[int]]:
-    """Until the server refuses a stream over the limit (h2 raises TooManyStreamsError from receive_data)."""
+    """Until h2 refuses a stream over the limit (it raises TooManyStreamsError from receive_data; ours goes
+    on, answering each stream past it with a StreamReset)."""
     client, server = _pair(lazy=lazy, limit=limit)
     client.remote_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS].append(2**31 - 1)
     client.remote_settings.acknowledge()
@@ -85,14 +94,19 @@ def _script(seed: int, *, max_open: int, length: int) -> list[tuple[str, int]]:
     return script
 
 
-def test_same_events_and_frames_as_h2_with_refusals_at_the_limit() -> None:
+def test_same_events_and_frames_as_h2_up_to_the_limit_then_refusals_alone() -> None:
     # A long run just below the limit (the table fills with closed streams), then past it.
     script = _script(7, max_open=LIMIT - 1, length=3000) + [("open", 0)] * (LIMIT + 1)
     lazy_log, lazy_sizes = _run(script, lazy=True)
     plain_log, _ = _run(script, lazy=False)
-    assert lazy_log == plain_log
-    assert "TooManyStreamsError" in lazy_log[-1]  # the limit was reached and enforced, as h2 does
-    assert len(lazy_log) > 1000  # ... after a long run below it
+    assert "TooManyStreamsError" in plain_log[-1]  # h2: the limit reached, the whole connection failed
+    assert len(plain_log) > 1000  # ... after a long run below it
+    at_limit = len(plain_log) - 1
+    assert lazy_log[:at_limit] == plain_log[:at_limit]
+    # ours: that stream refused alone, and so is every one opened after it while the others stay open
+    assert lazy_log[at_limit].startswith("StreamReset")
+    assert not any(entry.startswith("RequestReceived") for entry in lazy_log[at_limit:])
+    assert len(lazy_log) > len(plain_log) + 10  # (the connection went on)
     assert max(lazy_sizes) <= 2 * LIMIT + 64  # closed streams are still dropped
 
 
@@ -485,9 +499,89 @@ def test_a_call_h2_refuses_is_refused_the_same(fatal: list[tuple[str, int]]) -> 
     assert num_lean >= 3
 
 
-def test_a_call_past_the_stream_limit_is_refused_as_h2_refuses_it() -> None:
+def test_a_call_past_the_stream_limit_is_refused_alone_where_h2_fails_the_connection() -> None:
     script = [("call", 10)] * (LIMIT + 2)
     lean_log, num_lean = _receive_calls(script, lean=True, limit=LIMIT)
-    assert lean_log == _receive_calls(script, lean=False, limit=LIMIT)[0]
-    assert "TooManyStreamsError" in lean_log[-3]
+    plain_log = _receive_calls(script, lean=False, limit=LIMIT)[0]
+    assert "TooManyStreamsError" in plain_log[-3]
+    at_limit = len(plain_log) - 3
+    assert lean_log[:at_limit] == plain_log[:at_limit]
     assert num_lean >= LIMIT - 2
+    # each call past the limit: one StreamReset event (its DATA answered as on any stream the server reset),
+    # the connection open
+    past = [view for views in lean_log[at_limit:] if isinstance(views, list) for view in views]
+    assert [view[:2] for view in past] == [("StreamReset", 2 * LIMIT + 1), ("StreamReset", 2 * LIMIT + 3)]
+    assert lean_log[-1][0] is not ConnectionState.CLOSED
+
+
+def _over_limit_pair(limit: int) -> tuple[H2Connection, H2Connection]:
+    """Ours with `limit` in force, and a client that sends as if there were none."""
+    client, server = _pair(lazy=True, limit=limit)
+    client.remote_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS].append(2**31 - 1)
+    client.remote_settings.acknowledge()
+    return client, server
+
+
+def test_a_stream_past_the_limit_is_refused_and_the_connection_serves_on() -> None:
+    client, server = _over_limit_pair(2)
+    held = []
+    for _ in range(2):  # open, their requests not ended
+        stream_id = client.get_next_available_stream_id()
+        client.send_headers(stream_id, GRPC_REQUEST)
+        held.append(stream_id)
+    refused = client.get_next_available_stream_id()
+    # a header the HPACK table indexes on this block only: the refused stream's block must still be decoded,
+    # or every later block that refers to that entry would decode wrong
+    client.send_headers(refused, [*GRPC_REQUEST, ("x-first", "indexed")])
+    client.send_data(refused, b"body", end_stream=False)
+    events = server.receive_data(client.data_to_send())
+    assert [type(e).__name__ for e in events] == ["RequestReceived", "RequestReceived", "StreamReset"]
+    reset = events[-1]
+    assert isinstance(reset, StreamReset)
+    assert (reset.stream_id, reset.error_code, reset.remote_reset) == (
+        refused, ErrorCodes.REFUSED_STREAM, False)
+    answer = client.receive_data(server.data_to_send())
+    assert [(type(e), e.stream_id, e.error_code) for e in answer if isinstance(e, StreamReset)] == [
+        (StreamReset, refused, ErrorCodes.REFUSED_STREAM)]
+    assert not any(isinstance(e, ConnectionTerminated) for e in answer)
+    # the held streams end, and a new stream (reusing the indexed header) is received whole
+    for stream_id in held:
+        client.send_data(stream_id, b"", end_stream=True)
+        server.send_headers(stream_id, RESPONSE, end_stream=True)
+    client.receive_data(server.data_to_send())
+    after = client.get_next_available_stream_id()
+    client.send_headers(after, [*GRPC_REQUEST, ("x-first", "indexed")], end_stream=True)
+    events = server.receive_data(client.data_to_send())
+    requests = [e for e in events if isinstance(e, RequestReceived)]
+    assert [e.stream_id for e in requests] == [after]
+    assert (b"x-first", b"indexed") in requests[0].headers
+    assert any(isinstance(e, StreamEnded) and e.stream_id == after for e in events)
+    assert server.state_machine.state is not ConnectionState.CLOSED
+
+
+def test_data_on_a_refused_stream_returns_its_connection_window() -> None:
+    client, server = _over_limit_pair(1)
+    client.send_headers(1, GRPC_REQUEST)
+    client.send_headers(3, GRPC_REQUEST)
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())  # (stream 3 refused: the client knows)
+    window = server._inbound_flow_control_window_manager.current_window_size
+    # DATA the client sent before it read the refusal: 48,000 bytes, most of the connection's window
+    events = server.receive_data((bytes.fromhex("003e80" "00" "00" "00000003") + bytes(16_000)) * 3)
+    assert not [e for e in events if isinstance(e, DataReceived)]
+    updates = client.receive_data(server.data_to_send())
+    assert server._inbound_flow_control_window_manager.current_window_size == window  # acknowledged at once
+    assert any(isinstance(e, WindowUpdated) and e.stream_id == 0 for e in updates)
+    assert server.state_machine.state is not ConnectionState.CLOSED
+
+
+def test_stream_ids_stay_ordered_past_the_limit() -> None:
+    # The refused stream's id is used: a later HEADERS with a lower id is h2's connection error, as always.
+    client, server = _over_limit_pair(1)
+    client.send_headers(1, GRPC_REQUEST)
+    client.send_headers(5, GRPC_REQUEST)  # refused
+    server.receive_data(client.data_to_send())
+    assert server.highest_inbound_stream_id == 5
+    block = Encoder().encode(GRPC_REQUEST)  # (a HEADERS frame the client's h2 would not send, by hand)
+    with pytest.raises(ProtocolError):
+        server.receive_data(struct.pack(">BHBBL", 0, len(block), 1, 0x5, 3) + block)

@@ -1,11 +1,20 @@
 """h2's receive path without work whose answer is already known: the open-stream count, and the decoding and
-validation of a header block the connection has seen before.
+validation of a header block the connection has seen before; and a stream past the limit refused alone.
 
 Open streams: h2 counts them (to enforce SETTINGS_MAX_CONCURRENT_STREAMS) by walking its whole stream table on
 every HEADERS that opens a stream, and drops closed streams from the table on the same walk: at 256
 concurrent streams that walk was ~3% of the frontend's CPU. The table's size is an upper bound on the count,
 so the walk is only needed when that bound could reach the limit; it also runs once the table has doubled
 since the last walk, so closed streams are still dropped and the table stays within twice the open streams.
+
+Streams past the limit: h2 answers a HEADERS frame that would open one stream too many with
+TooManyStreamsError, a connection error (GOAWAY PROTOCOL_ERROR): every other stream of the connection was
+lost with it. RFC 9113 5.1.2 makes it a stream error, REFUSED_STREAM, which gRPC clients retry (the request
+was never processed). The stream is opened as h2 opens any other (its header block HPACK-decoded, which
+keeps the decoder's table in step with the client's encoder; its id marked used), then reset with
+REFUSED_STREAM at once: the application gets h2's `StreamReset(error_code=REFUSED_STREAM,
+remote_reset=False)` instead of its RequestReceived, and DATA the client sent on it meanwhile is answered as
+on any stream the server reset (its connection window returned).
 
 Header blocks: a gRPC client sends the same request headers on every call, and once its HPACK encoder has
 indexed them the block's bytes repeat too. h2 decoded every block (pure-Python HPACK) and ran it through its
@@ -43,8 +52,9 @@ from typing import TYPE_CHECKING, Any
 
 from h2.config import DummyLogger, H2Configuration
 from h2.connection import AllowedStreamIDs, ConnectionState, H2Connection
-from h2.events import DataReceived, Event, RequestReceived, StreamEnded
-from h2.exceptions import ProtocolError
+from h2.errors import ErrorCodes
+from h2.events import DataReceived, Event, RequestReceived, StreamEnded, StreamReset
+from h2.exceptions import ProtocolError, TooManyStreamsError
 from h2.frame_buffer import FrameBuffer
 from h2.stream import H2Stream, StreamState
 from h2.utilities import HeaderValidationFlags
@@ -246,13 +256,17 @@ _FAST_RECEIVE = all(dataclasses.is_dataclass(event) for event in (RequestReceive
 
 
 class LazyCountingH2Connection(H2Connection):
-    """An H2Connection whose `_open_streams` walks the table only when the answer could matter, and whose
-    streams reuse processed header lists (see the module's docstring)."""
+    """An H2Connection whose `_open_streams` walks the table only when the answer could matter, whose streams
+    reuse processed header lists, and which refuses a stream past the limit alone (see the module's
+    docstring)."""
 
     _scan_above = 0  # the table size after the last walk, doubled (a class default: set on first use)
     _processed: _ProcessedHeaders | None = None  # set by `use_lazy_counting`
+    _is_refusing = False  # True while a stream past the limit is opened, to be refused at once
 
     def _open_streams(self, remainder: int) -> int:
+        if self._is_refusing:
+            return 0
         size = len(self.streams)
         is_inbound = remainder == int(not self.config.client_side)
         settings = self.local_settings if is_inbound else self.remote_settings
@@ -365,6 +379,27 @@ class LazyCountingH2Connection(H2Connection):
             events.append(received.stream_ended)
         return end - offset
 
+    def _receive_headers_frame(self, frame: HeadersFrame) -> tuple[list[Frame], list[Event]]:
+        try:
+            return super()._receive_headers_frame(frame)
+        except TooManyStreamsError:
+            # NOTE: h2 raises it before anything changed (tests/security/test_grpclib_internals.py)
+            return self._refuse_stream(frame)
+
+    def _refuse_stream(self, frame: HeadersFrame) -> tuple[list[Frame], list[Event]]:
+        """A HEADERS frame opening a stream past SETTINGS_MAX_CONCURRENT_STREAMS: the stream opened as h2
+        opens any (errors too: a malformed block is the same connection error as below the limit), then
+        reset with REFUSED_STREAM; its events replaced by that reset's."""
+        self._is_refusing = True
+        try:
+            frames, _ = super()._receive_headers_frame(frame)
+        finally:
+            self._is_refusing = False
+        self.reset_stream(frame.stream_id, error_code=ErrorCodes.REFUSED_STREAM)
+        refused = StreamReset(stream_id=frame.stream_id, error_code=ErrorCodes.REFUSED_STREAM,
+                              remote_reset=False)
+        return frames, [refused]
+
     def _begin_new_stream(self, stream_id: int, allowed_ids: AllowedStreamIDs) -> H2Stream:
         stream = super()._begin_new_stream(stream_id, allowed_ids)
         processed = self._processed
@@ -388,8 +423,11 @@ def use_lazy_counting(connection: H2Connection) -> None:
         caching.header_table.maxsize = decoder.header_table.maxsize
         connection.decoder = caching
     connection._processed = _ProcessedHeaders()  # type: ignore[attr-defined]
+    dispatch = connection._frame_dispatch_table
+    # NOTE: h2 binds its frame handlers when the connection is made: the refusal past the limit is ours only
+    # through this table
+    dispatch[HeadersFrame] = connection._receive_headers_frame
     if type(connection.config.logger) is DummyLogger and type(connection.incoming_buffer) is FrameBuffer:
-        dispatch = connection._frame_dispatch_table
         for frame_class in list(dispatch):
             dispatch[_quiet_class(frame_class)] = dispatch[frame_class]
         connection.incoming_buffer.__class__ = _QuietFrameBuffer

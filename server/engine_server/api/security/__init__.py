@@ -38,7 +38,8 @@ Building blocks (usable on their own):
         it within receive_timeout_s -> DEADLINE_EXCEEDED.
     guarded_server.GuardedServer(handlers, *, policy=H2Policy(), cert_reload=None, **grpclib Server kwargs)
         PING flood / rapid reset / control-frame floods -> GOAWAY(ENHANCE_YOUR_CALM) + close; idle connections
-        -> GOAWAY(NO_ERROR) + close; see h2_guard.py. `.begin_drain()` (and `.close()`): each connection gets
+        -> GOAWAY(NO_ERROR) + close; a stream past SETTINGS_MAX_CONCURRENT_STREAMS -> RST_STREAM(
+        REFUSED_STREAM) alone; see h2_guard.py. `.begin_drain()` (and `.close()`): each connection gets
         GOAWAY(NO_ERROR, "drain") + close once no stream is open (goaway.py: early GOAWAY, linger).
 """
 

@@ -10,7 +10,7 @@ class GuardStats:
     """Counters of one server, for metrics and tests."""
 
     goaways: dict[str, int] = field(default_factory=dict)  # reason -> connections closed
-    num_refused_streams: int = 0
+    num_refused_streams: int = 0  # RST_STREAM(REFUSED_STREAM): past the stream limit, or handlers unwinding
     num_dropped_streams: int = 0  # opened and reset in one batch: never dispatched
     num_fast_path_calls: int = 0  # calls served by api/fast_path.py
     num_direct_calls: int = 0  # of those, calls started without a task of their own

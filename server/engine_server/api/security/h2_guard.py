@@ -8,9 +8,11 @@ grpclib sees it:
    server sent nothing in between (grpc-core / grpc-go policy); more than `max_ping_strikes` -> GOAWAY.
 2) Client RST_STREAM: a token bucket (`reset_burst`, `reset_rate_per_s`); empty -> GOAWAY. A stream opened
    and reset in the same batch is dropped before grpclib creates its handler, so it never reaches the engine.
-3) Handlers of reset streams still unwinding count towards concurrency (as in Go's fix): past 2x
-   `max_concurrent_streams` running handlers, new streams get RST_STREAM(REFUSED_STREAM) and cost a reset
-   token.
+3) A stream past `max_concurrent_streams` (advertised in SETTINGS_MAX_CONCURRENT_STREAMS) gets
+   RST_STREAM(REFUSED_STREAM) alone, the connection and its other streams unharmed (api/h2_streams.py; h2
+   alone failed the whole connection). Handlers of reset streams still unwinding count towards concurrency
+   too (as in Go's fix): past 2x `max_concurrent_streams` running handlers, new streams are refused the same
+   way. Each refusal costs a reset token.
 4) SETTINGS, PRIORITY, unknown frames and WINDOW_UPDATEs not paid for by DATA we sent: a token bucket
    (`control_frame_burst`, `control_frame_rate_per_s`); empty -> GOAWAY.
 5) A connection without calls for `max_connection_idle_s` gets GOAWAY(NO_ERROR, "idle") and is closed.
@@ -298,11 +300,19 @@ class GuardedH2Protocol(H2Protocol):
                         self._goaway("too_many_refused_streams")
                         return None
                     continue
-            elif isinstance(event, StreamReset) and event.remote_reset:
-                if not self._resets.take(now):
-                    self._goaway("rapid_reset")
-                    return None
-                if event.stream_id in dropped_ids:
+            elif isinstance(event, StreamReset):
+                if event.remote_reset:
+                    if not self._resets.take(now):
+                        self._goaway("rapid_reset")
+                        return None
+                    if event.stream_id in dropped_ids:
+                        continue
+                elif event.error_code == ErrorCodes.REFUSED_STREAM:
+                    # 3) past SETTINGS_MAX_CONCURRENT_STREAMS: refused alone (api/h2_streams.py), no handler
+                    self._stats.num_refused_streams += 1
+                    if not self._resets.take(now):
+                        self._goaway("too_many_refused_streams")
+                        return None
                     continue
             elif isinstance(event, _CONTROL_EVENTS):
                 if not self._control.take(now):

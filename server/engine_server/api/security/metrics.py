@@ -26,7 +26,8 @@ class GuardStatsCollector(Collector):
         yield goaways
         yield CounterMetricFamily(
             "engine_http2_refused_streams",
-            "streams refused (REFUSED_STREAM) while cancelled handlers were still unwinding",
+            "streams refused (REFUSED_STREAM): past SETTINGS_MAX_CONCURRENT_STREAMS, or while cancelled "
+            "handlers were still unwinding",
             value=self._stats.num_refused_streams,
         )
         yield CounterMetricFamily(
