@@ -278,14 +278,19 @@ class CompletionDelta:
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """A cheap snapshot for load reporting."""
+    """A cheap snapshot for load reporting.
 
-    num_running: int
-    num_waiting: int
+    NOTE: requests, not completions: a request with n = 8 is one request (running while any of its
+    completions is), and up to eight running completions (sequences: what max_num_seqs bounds).
+    """
+
+    num_running: int  # requests with a completion in the running batch
+    num_waiting: int  # the other admitted requests (queued, preempted, or waiting for their grammar)
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int = 0
     num_prefix_cache_hit_tokens: int = 0
+    num_running_completions: int = 0  # sequences in the running batch
 
     @property
     def kv_cache_usage(self) -> float:
