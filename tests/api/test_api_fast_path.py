@@ -163,13 +163,23 @@ async def test_a_passed_deadline_on_the_fast_path_is_deadline_exceeded_and_abort
         await reference.server.close()
 
 
-async def test_a_malformed_deadline_is_answered_by_grpclib(harness: Harness) -> None:
-    before = harness.num_fast
-    request = greedy_request([5], max_tokens=2).SerializeToString()
-    trailers = await _raw_call(harness.server.port, request, [("grpc-timeout", "soon")])
-    assert trailers["grpc-status"] == str(Status.UNKNOWN.value)
-    assert trailers["grpc-message"] == "Invalid grpc-timeout header"
+@pytest.mark.parametrize("stream", [True, False])  # a direct call, and one on the fast path's task
+async def test_a_malformed_deadline_is_invalid_argument(harness: Harness, stream: bool) -> None:
+    # grpclib answered UNKNOWN ("Invalid grpc-timeout header") and took any number of digits; gRPC's
+    # PROTOCOL-HTTP2.md allows at most 8. Never started: the engine sees nothing.
+    before, num_requests = harness.num_fast, len(harness.engine.requests)
+    request = greedy_request([5], max_tokens=2, stream=stream).SerializeToString()
+    for value in ("soon", "1x", "abc", "99999999999S", "-1S", "1.5S", "1s"):
+        trailers = await _raw_call(harness.server.port, request, [("grpc-timeout", value)])
+        assert trailers["grpc-status"] == str(Status.INVALID_ARGUMENT.value), value
+        assert trailers["grpc-message"] == (
+            f"malformed grpc-timeout {value!r}: expected 1 to 8 digits and a unit (H, M, S, m, u or n)")
     assert harness.num_fast == before
+    assert harness.count("INVALID_ARGUMENT") == 7  # counted as what it is
+    assert len(harness.engine.requests) == num_requests
+    # at most 8 digits is well-formed
+    trailers = await _raw_call(harness.server.port, request, [("grpc-timeout", "99999999S")])
+    assert trailers["grpc-status"] == str(Status.OK.value)
 
 
 async def test_an_oversized_request_takes_grpclibs_path_and_is_refused() -> None:

@@ -18,6 +18,7 @@ from engine_server.api.security.metrics import register_guard_metrics
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.health.service import Health
+from grpclib.metadata import decode_grpc_message
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server, Stream
 from h2.config import H2Configuration
@@ -109,6 +110,21 @@ def _statuses(peer: Peer) -> dict[int, str | None]:
     peer.transport.written.clear()
     return {e.stream_id: dict(text_headers(e)).get("grpc-status")
             for e in events if isinstance(e, ResponseReceived | TrailersReceived)}
+
+
+def _answers(peer: Peer) -> dict[int, dict[str, str]]:
+    """The response headers and trailers of each stream the server answered, from what it wrote (the
+    grpc-message percent-decoded)."""
+    events = peer.conn.receive_data(bytes(peer.transport.written))
+    peer.transport.written.clear()
+    answers: dict[int, dict[str, str]] = {}
+    for event in events:
+        if isinstance(event, ResponseReceived | TrailersReceived):
+            answers.setdefault(event.stream_id, {}).update(text_headers(event))
+    for answer in answers.values():
+        if "grpc-message" in answer:
+            answer["grpc-message"] = decode_grpc_message(answer["grpc-message"])
+    return answers
 
 
 async def _settle(protocol: H2Protocol) -> None:
@@ -281,6 +297,33 @@ async def test_a_call_whose_deadline_passed_on_arrival_is_deadline_exceeded(
     stream_ids = peer.call_each(CALLED_PATHS, [("grpc-timeout", "1n")])
     await _settle(peer.protocol)
     assert _statuses(peer) == dict.fromkeys(stream_ids, str(Status.DEADLINE_EXCEEDED.value))
+    assert started == []
+    assert engine.num_started == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    peer.protocol.connection_lost(None)
+    await _settle(peer.protocol)
+
+
+@_HANDLERS
+@pytest.mark.parametrize("value", ["1x", "abc", "99999999999S", ""])
+async def test_a_malformed_grpc_timeout_is_invalid_argument_on_every_path(
+    caplog: pytest.LogCaptureFixture, handler: str, value: str
+) -> None:
+    # grpclib's request_handler answered UNKNOWN ("Invalid grpc-timeout header") and took a value of any
+    # number of digits (gRPC allows 8). Nothing is started for such a call.
+    engine = FakeEngine()
+    started: list[Stream[Any, Any]] = []
+    server = build_server([FakeEngineService(engine), Health()], SecurityConfig(),
+                          **_handler_factory(handler, started))
+    peer = Peer(server._protocol_factory())
+    stream_ids = peer.call_each(CALLED_PATHS, [("grpc-timeout", value)])
+    await asyncio.sleep(0)  # (a direct call's first step: a loop callback)
+    await _settle(peer.protocol)
+    answers = _answers(peer)
+    assert {stream_id: answer["grpc-status"] for stream_id, answer in answers.items()} == dict.fromkeys(
+        stream_ids, str(Status.INVALID_ARGUMENT.value))
+    assert {answer["grpc-message"] for answer in answers.values()} == {
+        f"malformed grpc-timeout {value!r}: expected 1 to 8 digits and a unit (H, M, S, m, u or n)"}
     assert started == []
     assert engine.num_started == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

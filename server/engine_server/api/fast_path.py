@@ -15,8 +15,9 @@ the same wrappers, the same release; the API-key check and the call metrics appl
 that is not complete, well-formed and within the size limit, a malformed grpc-timeout, a non-proto content
 type) goes to grpclib's request_handler unchanged, which then produces exactly the behaviour and errors it
 always did; except for what request_handler mishandles, served here too (its request read by the size limit's
-bounded reads): a call with a deadline, which may pass before the call starts, or with binary metadata, which
-may not be base64 (`_call_to_serve`).
+bounded reads): a call with a deadline, which may pass before the call starts or be malformed, or with binary
+metadata, which may not be base64 (`_call_to_serve`). A malformed grpc-timeout is INVALID_ARGUMENT on every
+path (`_request_deadline`).
 
 Direct calls: for a method registered with a `DirectStart` (engine.v1's streamed Generate), the call's first
 step is a loop callback instead of a task, and the method may serve the call from there on without any task
@@ -32,6 +33,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import re
 from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -51,6 +53,10 @@ from engine_server.api.security.limits import MESSAGE_PREFIX, MessageSizeLimit, 
 log = logging.getLogger(__name__)
 
 _CONTENT_TYPES = frozenset({"application/grpc", "application/grpc+proto"})
+# gRPC's PROTOCOL-HTTP2.md: TimeoutValue (at most 8 ASCII digits) TimeoutUnit; the unit in seconds
+_TIMEOUT = re.compile(r"([0-9]{1,8})([HMSmun])")
+_TIMEOUT_UNIT_S = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+_MAX_ECHOED = 32  # characters of a malformed value repeated in the error message
 
 
 class FastPathHandler(Handler):
@@ -201,9 +207,9 @@ class FastPathHandler(Handler):
         if method is None or self._size_limit is None or not _plain_headers(headers_map, self.codec):
             return None
         try:
-            # (grpclib's parse walks every header; most calls carry no grpc-timeout at all)
-            deadline = Deadline.from_headers(headers) if "grpc-timeout" in headers_map else None
-        except ValueError:  # grpclib answers it (UNKNOWN, "Invalid grpc-timeout header")
+            # (the parse walks every header; most calls carry no grpc-timeout at all)
+            deadline = _request_deadline(headers) if "grpc-timeout" in headers_map else None
+        except GRPCError:  # (`_call_to_serve` answers it)
             return None
         request = _buffered_request(stream, method, self._size_limit.max_receive_message_size)
         return None if request is None else (method, request, deadline)
@@ -255,20 +261,26 @@ class FastPathHandler(Handler):
 
         NOTE: request_handler starts grpclib's DeadlineWrapper, which raises TimeoutError for a deadline that
         has passed (on arrival, or in a pause before the call's task got there: a GC, a busy loop): "Timeout
-        occurred" with a traceback in the log, UNKNOWN for the client (see `_deadline_timer`). It decodes the
+        occurred" with a traceback in the log, UNKNOWN for the client (see `_deadline_timer`). It answered a
+        malformed grpc-timeout with UNKNOWN and took 9 digits or more (`_request_deadline`). It decodes the
         metadata before it has made the call's Stream: binary metadata that is not base64 was "Server error"
         in the log and a stream never answered (see `_decoded_metadata`).
         """
-        if self._size_limit is None or ("grpc-timeout" not in headers_map
-                                        and not any(name.endswith("-bin") for name, _ in headers)):
-            return None  # (listeners the fast path does not apply, or a call request_handler serves well)
+        has_timeout = "grpc-timeout" in headers_map
+        if not has_timeout and not any(name.endswith("-bin") for name, _ in headers):
+            return None  # (a call request_handler serves well)
         method = self.mapping.get(headers_map.get(":path", ""))
         if method is None or not _plain_headers(headers_map, self.codec):
             return None
         try:
-            deadline = Deadline.from_headers(headers)
-        except ValueError:
-            return None  # (request_handler answers it: UNKNOWN, "Invalid grpc-timeout header")
+            deadline = _request_deadline(headers) if has_timeout else None
+        except GRPCError as exc:
+            # NOTE: answered where request_handler read it (its checks above passed), through the listeners'
+            # wrappers (the API key's first); with listeners the fast path cannot apply, through none, as
+            # request_handler answered before it ran any
+            return self._new_call(stream, headers_map, method, None), _fails_with(exc)
+        if self._size_limit is None:
+            return None  # (listeners the fast path does not apply)
         if _has_passed(deadline):  # (on arrival: nothing to start)
             return self._new_call(stream, headers_map, method, None), _deadline_exceeded
         bounded = self._size_limit.wrap_method(method.func)
@@ -408,6 +420,33 @@ DirectStart = Callable[[Stream[Any, Any], bytes, DirectCall], bool]
 
 async def _deadline_exceeded(call: Stream[Any, Any]) -> None:
     raise GRPCError(Status.DEADLINE_EXCEEDED)
+
+
+def _fails_with(error: GRPCError) -> Callable[[Stream[Any, Any]], Awaitable[None]]:
+    async def fail(call: Stream[Any, Any]) -> None:
+        raise error
+    return fail
+
+
+def _request_deadline(headers: list[tuple[str, str]]) -> Deadline | None:
+    """The call's deadline from its grpc-timeout (the earliest of several, as grpclib reads them), or None.
+
+    A value other than 1 to 8 ASCII digits and a unit (H, M, S, m, u, n: gRPC's PROTOCOL-HTTP2.md) is the
+    client's error: INVALID_ARGUMENT (the contract's status for a malformed request; grpclib answered UNKNOWN
+    and took any number of digits, grpc-go answers INTERNAL, grpc-core ignores the header).
+    """
+    timeout_s: float | None = None
+    for name, value in headers:
+        if name != "grpc-timeout":
+            continue
+        match = _TIMEOUT.fullmatch(value)
+        if match is None:
+            echoed = value if len(value) <= _MAX_ECHOED else value[:_MAX_ECHOED] + "..."
+            raise GRPCError(Status.INVALID_ARGUMENT, f"malformed grpc-timeout {echoed!r}: expected 1 to 8 "
+                            "digits and a unit (H, M, S, m, u or n)")
+        seconds = int(match[1]) * _TIMEOUT_UNIT_S[match[2]]
+        timeout_s = seconds if timeout_s is None else min(timeout_s, seconds)
+    return None if timeout_s is None else Deadline.from_timeout(timeout_s)
 
 
 def _has_passed(deadline: Deadline | None) -> bool:
