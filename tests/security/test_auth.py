@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +140,24 @@ async def test_later_listeners_see_rejected_calls_with_their_status() -> None:
             channel.close()
     tokenize = "/engine.v1.EngineService/Tokenize"
     assert seen == [(tokenize, Status.UNAUTHENTICATED), (tokenize, Status.OK)]
+
+
+async def test_rejections_are_logged_once_then_counted(caplog: pytest.LogCaptureFixture) -> None:
+    # A client can send calls without the key at will: one line each buried the log. The first is logged,
+    # the rest counted in one line (at the end of the interval, or when the server closes).
+    caplog.set_level(logging.INFO, logger="engine_server.api.security.auth")
+    num_calls = 50
+    async with serve(SecurityConfig(api_key=KEY)) as served:
+        channel = Channel("127.0.0.1", served.port)
+        try:
+            stub = EngineServiceStub(channel)
+            for _ in range(num_calls):
+                with pytest.raises(GRPCError):
+                    await stub.Tokenize(tokenize_pb2.TokenizeRequest(text="a"), timeout=WAIT_S)
+        finally:
+            channel.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine_server.api.security.auth"]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("rejected call to /engine.v1.EngineService/Tokenize from ")
+    assert lines[1].startswith(f"... and {num_calls - 1} more in the last ")
+    assert lines[1].endswith(" s: calls rejected for a missing or invalid API key")

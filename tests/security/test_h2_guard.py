@@ -1,5 +1,5 @@
 """HTTP/2 abuse from a raw client: PING flood, rapid reset, control-frame floods -> GOAWAY and close; streams
-past the advertised limit -> refused alone.
+past the advertised limit -> refused alone; the warnings of many such connections -> rate-limited.
 
 Every flood is bounded in frames and time; a well-behaved client on another connection is served throughout.
 """
@@ -265,6 +265,23 @@ async def test_streams_refused_past_the_limit_spend_the_reset_budget() -> None:
         assert stats.goaways == {"too_many_refused_streams": 1}
         assert stats.num_refused_streams == policy.reset_burst + 1
         await served.engine.wait_for(lambda: served.engine.num_running == 0)
+
+
+async def test_goaway_warnings_are_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    # One line per abusive connection let a client write the log at will (1,212 lines in one campaign): the
+    # first is logged, the rest counted in one line (at the end of the interval, or when the server closes).
+    num_connections = 40
+    async with serve(SecurityConfig()) as served:
+        for _ in range(num_connections):
+            async with raw_h2(served.port) as raw:
+                await flood(raw, lambda: raw.conn.ping(b"12345678"), max_batches=10, batch=10)
+        assert served.server.guard_stats.goaways == {"too_many_pings": num_connections}
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith("h2_guard")]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("closing HTTP/2 connection from ")
+    assert lines[0].endswith(": too_many_pings (GOAWAY ENHANCE_YOUR_CALM)")
+    assert lines[1].startswith(f"... and {num_connections - 1} more in the last ")
+    assert lines[1].endswith(" s: HTTP/2 connections closed for too_many_pings")
 
 
 def _headers_of(raw: RawH2, stream_id: int) -> dict[str, str]:

@@ -47,6 +47,7 @@ from grpclib.server import Handler, Stream, request_handler
 from grpclib.utils import DeadlineWrapper, Wrapper
 
 from engine_server.api.call_streams import LeanBuffer
+from engine_server.api.rate_limited_log import RateLimitedLog
 from engine_server.api.security.budget import GuardStats
 from engine_server.api.security.limits import MESSAGE_PREFIX, MessageSizeLimit, decode_received
 
@@ -70,12 +71,14 @@ class FastPathHandler(Handler):
 
     def __init__(
         self, *args: Any, fast_methods: Collection[str], direct: Mapping[str, DirectStart] | None = None,
-        stats: GuardStats | None = None, **kwargs: Any
+        stats: GuardStats | None = None, log_limit: RateLimitedLog | None = None, **kwargs: Any
     ) -> None:
-        """`direct`: fast methods (paths) whose calls the given function serves without a task if it can."""
+        """`direct`: fast methods (paths) whose calls the given function serves without a task if it can.
+        `log_limit`: the server's (a client cancels calls at will: their log lines are rate-limited)."""
         super().__init__(*args, **kwargs)
         self._fast_methods = frozenset(fast_methods)
         self._stats = stats
+        self._log_limit = log_limit if log_limit is not None else RateLimitedLog()
         self._size_limit, self._wrappers = _call_listeners(self.dispatch)
         direct_ok = (self._size_limit is not None
                      and all(isinstance(listener, DirectListener) for listener in self._wrappers))
@@ -325,7 +328,7 @@ class FastPathHandler(Handler):
                     log.exception("Failed to handle cancellation")
                     raise GRPCError(Status.DEADLINE_EXCEEDED) from None
                 if wrapper.cancelled:
-                    log.info("Deadline exceeded")
+                    self._log_limit.log(log, logging.INFO, "calls past their deadline", "Deadline exceeded")
                     raise GRPCError(Status.DEADLINE_EXCEEDED) from None
                 log.exception("Timeout occurred")
                 raise
@@ -333,7 +336,8 @@ class FastPathHandler(Handler):
                 if wrapper.cancel_failed:
                     log.exception("Failed to handle cancellation")
                 else:
-                    log.info("Request was cancelled: %s", err)
+                    self._log_limit.log(log, logging.INFO, "calls cancelled by their client",
+                                        "Request was cancelled: %s", err)
                 raise
             except Exception:
                 log.exception("Application error")

@@ -27,9 +27,10 @@ Building blocks (usable on their own):
     tls.CertificateWatcher(ctx, *, cert_file, key_file): .check() -> bool, `await .run(interval_s=60.0)`
         Reloads a rotated certificate/key pair into the live context (new handshakes); a pair that does not
         load is skipped and retried. build_server's GuardedServer runs one when started with TLS.
-    auth.install_api_key_check(server, api_key, *, exempt_services=(HEALTH_SERVICE,)) -> ApiKeyCheck | None
+    auth.install_api_key_check(server, api_key, *, exempt_services=(HEALTH_SERVICE,), log_limit=None)
         Every call must carry `authorization: Bearer <key>` or `x-api-key: <key>`, compared in constant time;
-        otherwise UNAUTHENTICATED. api_key=None installs nothing.
+        otherwise UNAUTHENTICATED (logged at INFO, one line per 10 s and a count). api_key=None installs
+        nothing.
     auth.resolve_api_key(*, api_key=None, api_key_file=None, environ=os.environ) -> str | None
         Flag, then file (trailing newline stripped), then $ENGINE_API_KEY.
     limits.install_message_size_limit(server, max_size, *, receive_timeout_s=None) -> MessageSizeLimit
@@ -39,7 +40,8 @@ Building blocks (usable on their own):
     guarded_server.GuardedServer(handlers, *, policy=H2Policy(), cert_reload=None, **grpclib Server kwargs)
         PING flood / rapid reset / control-frame floods -> GOAWAY(ENHANCE_YOUR_CALM) + close; idle connections
         -> GOAWAY(NO_ERROR) + close; a stream past SETTINGS_MAX_CONCURRENT_STREAMS -> RST_STREAM(
-        REFUSED_STREAM) alone; see h2_guard.py. `.begin_drain()` (and `.close()`): each connection gets
+        REFUSED_STREAM) alone; see h2_guard.py. `.log_limit`: the rate limit of the log lines its clients can
+        cause (rate_limited_log.py). `.begin_drain()` (and `.close()`): each connection gets
         GOAWAY(NO_ERROR, "drain") + close once no stream is open (goaway.py: early GOAWAY, linger).
 """
 
@@ -96,7 +98,9 @@ def build_server(
         config=config.grpclib_configuration(),
         **server_kwargs,
     )
-    install_api_key_check(server, config.api_key, exempt_services=config.auth_exempt_services)
+    install_api_key_check(
+        server, config.api_key, exempt_services=config.auth_exempt_services, log_limit=server.log_limit
+    )
     install_message_size_limit(
         server, config.max_receive_message_size, receive_timeout_s=config.request_receive_timeout_s
     )

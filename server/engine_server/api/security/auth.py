@@ -20,6 +20,7 @@ from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 from grpclib.server import Server, Stream
 
+from engine_server.api.rate_limited_log import RateLimitedLog
 from engine_server.api.security.config import HEALTH_SERVICE, validate_api_key
 
 log = logging.getLogger(__name__)
@@ -45,12 +46,16 @@ def presented_key(metadata: Mapping[str, str | bytes]) -> str | None:
 
 
 class ApiKeyCheck:
-    """The listener; holds only the key's digest."""
+    """The listener; holds only the key's digest. Rejections are logged through `log_limit` (a client can
+    send calls without the key at will: one line per interval, then a count)."""
 
-    def __init__(self, api_key: str, *, exempt_services: Collection[str]) -> None:
+    def __init__(
+        self, api_key: str, *, exempt_services: Collection[str], log_limit: RateLimitedLog | None = None
+    ) -> None:
         validate_api_key(api_key)
         self._key_digest = _digest(api_key.encode("ascii"))
         self._exempt_services = frozenset(exempt_services)
+        self._log_limit = log_limit if log_limit is not None else RateLimitedLog()
         self.num_rejected = 0
 
     def is_exempt(self, method_name: str) -> bool:
@@ -73,9 +78,10 @@ class ApiKeyCheck:
         if self.admits_direct(method_name, metadata):
             return method_func
         self.num_rejected += 1
-        log.info("rejected call to %s from %s: missing or invalid API key", method_name, peer.addr())
+        self._log_limit.log(log, logging.INFO, "calls rejected for a missing or invalid API key",
+                            "rejected call to %s from %s: missing or invalid API key", method_name,
+                            peer.addr())
         return _reject
-
 
     def admits_direct(self, method_name: str, metadata: Any) -> bool:
         """The call may go on as it is: exempt, or it presents the key (api/fast_path.DirectListener)."""
@@ -90,16 +96,18 @@ async def _reject(stream: Stream[Any, Any]) -> None:
 
 
 def install_api_key_check(
-    server: Server, api_key: str | None, *, exempt_services: Collection[str] = (HEALTH_SERVICE,)
+    server: Server, api_key: str | None, *, exempt_services: Collection[str] = (HEALTH_SERVICE,),
+    log_limit: RateLimitedLog | None = None,
 ) -> ApiKeyCheck | None:
-    """Require the key on every call except to `exempt_services`; None installs nothing.
+    """Require the key on every call except to `exempt_services`; None installs nothing. `log_limit`: the
+    server's (GuardedServer.log_limit), else the check's own.
 
     Install it before other RecvRequest listeners (grpclib runs them in order): the ones after it wrap the
     rejecting method, so they see UNAUTHENTICATED calls but never reach the servicer for them.
     """
     if api_key is None:
         return None
-    check = ApiKeyCheck(api_key, exempt_services=exempt_services)
+    check = ApiKeyCheck(api_key, exempt_services=exempt_services, log_limit=log_limit)
     listen(server, RecvRequest, check)
     return check
 

@@ -12,16 +12,17 @@ from grpclib._typing import IServable
 from grpclib.protocol import H2Protocol
 from grpclib.server import Handler, Server
 
+from engine_server.api.rate_limited_log import RateLimitedLog
 from engine_server.api.security.budget import GuardStats
 from engine_server.api.security.config import H2Policy
 from engine_server.api.security.h2_guard import GuardedH2Protocol
 from engine_server.api.security.tls import CertificateWatcher
 
-# (mapping, codec, status_details_codec, dispatch, *, stats) -> the Handler of one connection
+# (mapping, codec, status_details_codec, dispatch, *, stats, log_limit) -> the Handler of one connection
 HandlerFactory = Callable[..., Handler]
 
 
-def _grpclib_handler(*args: Any, stats: GuardStats) -> Handler:
+def _grpclib_handler(*args: Any, stats: GuardStats, log_limit: RateLimitedLog) -> Handler:
     return Handler(*args)
 
 
@@ -30,7 +31,9 @@ class GuardedServer(Server):
 
     With `cert_reload` (cert_file, key_file, interval_s) and a TLS context passed to `start`, a rotated
     certificate is reloaded into that context while the server runs. `begin_drain` sends every connection
-    GOAWAY(NO_ERROR) as soon as it has no stream open (h2_guard, 6); `close` begins it too.
+    GOAWAY(NO_ERROR) as soon as it has no stream open (h2_guard, 6); `close` begins it too. `log_limit`
+    rate-limits the log lines its clients can cause at will (GOAWAYs for abuse, rejected API keys, cancelled
+    calls), for all its connections.
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class GuardedServer(Server):
         self._handler_factory = handler_factory or _grpclib_handler
         self.policy = policy if policy is not None else H2Policy()
         self.guard_stats = GuardStats()
+        self.log_limit = RateLimitedLog()
         self._cert_reload = cert_reload
         self._cert_watch: asyncio.Task[None] | None = None
         self._is_draining = False
@@ -75,17 +79,19 @@ class GuardedServer(Server):
         # handlers release their streams (grpclib's close alone leaves the connections open).
         self.begin_drain()
         super().close()
+        self.log_limit.flush()
 
     def _protocol_factory(self) -> H2Protocol:
         # As grpclib's Server does, with our handler (fast path) and protocol (the guard).
         self.__gc_step__()
         handler = self._handler_factory(
-            self._mapping, self._codec, self._status_details_codec, self.__dispatch__, stats=self.guard_stats
+            self._mapping, self._codec, self._status_details_codec, self.__dispatch__, stats=self.guard_stats,
+            log_limit=self.log_limit,
         )
         self._handlers.add(handler)
         protocol = GuardedH2Protocol(
             handler, self._config, self._h2_config, policy=self.policy, stats=self.guard_stats,
-            is_draining=self._is_draining,
+            log_limit=self.log_limit, is_draining=self._is_draining,
         )
         self._protocols.add(protocol)
         return protocol

@@ -19,7 +19,8 @@ grpclib sees it:
 6) Drain (`begin_drain`): GOAWAY(NO_ERROR, "drain") and close once the connection has no stream open: at once
    when idle, else when its last stream ends (see goaway.py for the early notice some clients get).
 The GOAWAYs of 1-4 are ENHANCE_YOUR_CALM with the reason as debug data; the connection is then closed (its
-calls are cancelled, which aborts their engine requests). Other connections are unaffected.
+calls are cancelled, which aborts their engine requests). Other connections are unaffected. Each is logged
+as a WARNING, rate-limited per reason (api/rate_limited_log.py: a client can open connections at will).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from h2.settings import SettingCodes
 
 from engine_server.api.call_streams import LeanStream
 from engine_server.api.h2_streams import use_lazy_counting
+from engine_server.api.rate_limited_log import RateLimitedLog
 from engine_server.api.security.budget import GuardStats, TokenBucket
 from engine_server.api.security.config import H2Policy
 from engine_server.api.security.goaway import (
@@ -138,11 +140,13 @@ class GuardedH2Protocol(H2Protocol):
         *,
         policy: H2Policy,
         stats: GuardStats,
+        log_limit: RateLimitedLog | None = None,
         is_draining: bool = False,
     ) -> None:
         super().__init__(handler, config, h2_config)
         self._policy = policy
         self._stats = stats
+        self._log_limit = log_limit if log_limit is not None else RateLimitedLog()
         self._is_closed = False
         # NOTE: a connection accepted while draining starts with is_draining: it is served (its calls get
         # UNAVAILABLE) and gets its GOAWAY when its first stream ends, not before it could ask anything.
@@ -379,7 +383,10 @@ class GuardedH2Protocol(H2Protocol):
             log.debug("could not refuse stream %d", stream_id, exc_info=True)
 
     def _goaway(self, reason: str) -> None:
-        log.warning("closing HTTP/2 connection from %s: %s (GOAWAY ENHANCE_YOUR_CALM)", self._peer(), reason)
+        # NOTE: rate-limited (a client may open and abuse connections at will), counted in guard_stats.goaways
+        self._log_limit.log(log, logging.WARNING, f"HTTP/2 connections closed for {reason}",
+                            "closing HTTP/2 connection from %s: %s (GOAWAY ENHANCE_YOUR_CALM)",
+                            self._peer(), reason)
         # Drop what h2 queued for this batch (thousands of PING ACKs in a flood): only the GOAWAY goes out.
         self._h2.clear_outbound_data_buffer()
         self._send_goaway(ErrorCodes.ENHANCE_YOUR_CALM, reason)
