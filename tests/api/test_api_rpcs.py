@@ -12,9 +12,13 @@ from apiutil import CALL_TIMEOUT_S, completion_ids, greedy_request
 from engine_proto.engine.v1 import embed_pb2, generate_pb2, info_pb2, tokenize_pb2
 from engine_proto.engine.v1 import engine_service_pb2_grpc as grpcio_stubs
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
+from grpclib.client import Channel
+from grpclib.const import Cardinality
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import RunningServer, cpu_seconds
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 
+VLLM_GET_LOADS = "/vllm.grpc.engine.VllmEngine/GetLoads"
 TEXT = "héllo wörld, 日本語 text"  # multi-byte characters: offsets count code points, not bytes
 
 
@@ -74,6 +78,47 @@ async def test_server_info_and_load(stub: EngineServiceStub) -> None:
     load = await stub.GetLoad(info_pb2.GetLoadRequest(), timeout=CALL_TIMEOUT_S)
     assert load.state == info_pb2.ENGINE_STATE_SERVING
     assert load.load.num_total_kv_blocks == info.load.num_total_kv_blocks
+
+
+async def _load_when(stub: EngineServiceStub, wanted: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(running requests, waiting requests, running completions) once they equal `wanted` (the core reports
+    after its next step), or the last seen after a bounded wait."""
+    deadline = asyncio.get_running_loop().time() + CALL_TIMEOUT_S
+    while True:
+        load = (await stub.GetLoad(info_pb2.GetLoadRequest(), timeout=CALL_TIMEOUT_S)).load
+        seen = (load.num_running_requests, load.num_waiting_requests, load.num_running_completions)
+        if seen == wanted or asyncio.get_running_loop().time() > deadline:
+            return seen
+        await asyncio.sleep(0.02)
+
+
+async def test_load_counts_requests_and_completions_apart(stub: EngineServiceStub, channel: Channel,
+                                                          server: RunningServer) -> None:
+    # One request with n = 8 is one running request with eight running completions, in both services'
+    # load reports and in the metrics.
+    assert await _load_when(stub, (0, 0, 0)) == (0, 0, 0)
+    request = greedy_request([20, 21, 22, 23], max_tokens=1500, ignore_eos=True)
+    request.sampling.n = 8
+    request.sampling.temperature = 1.0
+    async with stub.Generate.open(timeout=CALL_TIMEOUT_S) as stream:
+        await stream.send_message(request, end=True)
+        assert await stream.recv_message() is not None
+        assert await _load_when(stub, (1, 0, 8)) == (1, 0, 8)
+        info = await stub.GetServerInfo(info_pb2.GetServerInfoRequest(), timeout=CALL_TIMEOUT_S)
+        assert (info.load.num_running_requests, info.load.num_running_completions) == (1, 8)
+        async with channel.request(VLLM_GET_LOADS, Cardinality.UNARY_UNARY, vllm_pb.GetLoadsRequest,
+                                   vllm_pb.GetLoadsResponse, timeout=CALL_TIMEOUT_S) as call:
+            await call.send_message(vllm_pb.GetLoadsRequest(), end=True)
+            loads = await call.recv_message()
+        assert loads is not None
+        assert (loads.loads[0].num_running_reqs, loads.loads[0].num_total_reqs) == (1, 1)
+        assert server.metrics_port is not None
+        body = await asyncio.to_thread(_fetch, f"http://127.0.0.1:{server.metrics_port}/metrics")
+        values = {sample.name: sample.value for family in text_string_to_metric_families(body)
+                  for sample in family.samples}
+        assert (values["engine_num_running_requests"], values["engine_num_running_completions"]) == (1, 8)
+        await stream.cancel()
+    assert await _load_when(stub, (0, 0, 0)) == (0, 0, 0)
 
 
 async def test_embed_on_a_generation_model_is_invalid(stub: EngineServiceStub) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,20 @@ def test_missing_or_incomplete_model_dir_is_a_clear_error(tmp_path: Path) -> Non
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="no weights"):
         LLMEngine(engine_config(tmp_path))
+
+
+def test_stats_count_requests_and_their_completions_apart(model_dir: Path) -> None:
+    # GetLoad's numbers: a request with n = 4 is one running request with four running completions.
+    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=64))
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine.add_request(EngineRequest("n4", _prompt(1, 8), dataclasses.replace(params, n=4)))
+    engine.add_request(EngineRequest("one", _prompt(2, 8), params))
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_running_completions) == (0, 2, 0)
+    engine.step()  # both prefill; "n4" forks its three other completions at its first token
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_running_completions) == (2, 0, 5)
+    engine.abort(["n4"])
+    engine.step()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_running_completions) == (1, 0, 1)

@@ -202,3 +202,4 @@ def fill_load(load: info_pb2.Load, stats: EngineStats | None) -> None:
     load.kv_cache_usage = stats.kv_cache_usage
     load.num_free_kv_blocks = stats.num_free_blocks
     load.num_total_kv_blocks = stats.num_total_blocks
+    load.num_running_completions = stats.num_running_completions

@@ -97,9 +97,11 @@ class SimulatedEngine:
         return bool(self._running or self._waiting)
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_running=len(self._running), num_waiting=len(self._waiting),
+        num_running = len({request_id for request_id, _ in self._running})  # requests, as LLMEngine counts
+        return EngineStats(num_running=num_running, num_waiting=len(self._waiting),
                            num_free_blocks=self.model_info.num_kv_blocks,
-                           num_total_blocks=self.model_info.num_kv_blocks)
+                           num_total_blocks=self.model_info.num_kv_blocks,
+                           num_running_completions=len(self._running))
 
     def embed(self, inputs: list[list[int]], *, normalize: bool) -> list[list[float]]:
         raise RequestError("model", "the simulated engine does not embed")

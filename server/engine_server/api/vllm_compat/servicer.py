@@ -347,7 +347,7 @@ class VllmEngineServicer(VllmEngineBase):
         stats = engine.stats()
         block_size = engine.model_info.block_size
         # NOTE: the core's snapshot after its latest step (an abort or a finish triggers one), so an idle
-        # engine reports zero; the same numbers engine.v1 GetLoad reports.
+        # engine reports zero; the same numbers engine.v1 GetLoad reports: requests (n > 1 counts once).
         num_running, num_waiting = stats.num_running, stats.num_waiting
         load = pb.SchedulerLoad(
             dp_rank=0,

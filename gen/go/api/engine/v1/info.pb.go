@@ -509,12 +509,16 @@ func (x *GetServerInfoResponse) GetLimits() *ServerLimits {
 	return nil
 }
 
-// Load is the work the engine has now.
+// Load is the work the engine has now. Counts are of requests: a request with n > 1 counts once (its
+// completions are counted in num_running_completions). While the engine is not running (FAILED, or the
+// server is stopping after its engine stopped) every field is 0.
 type Load struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Requests being generated (their completions hold KV cache).
+	// Requests being generated: at least one of their completions is in the running batch (and holds KV
+	// cache).
 	NumRunningRequests uint32 `protobuf:"varint,1,opt,name=num_running_requests,json=numRunningRequests,proto3" json:"num_running_requests,omitempty"`
-	// Requests admitted but waiting for the scheduler.
+	// Requests admitted but not running: queued for the scheduler, preempted, or waiting for their
+	// structured-output constraint to compile.
 	NumWaitingRequests uint32 `protobuf:"varint,2,opt,name=num_waiting_requests,json=numWaitingRequests,proto3" json:"num_waiting_requests,omitempty"`
 	// Fraction of the KV cache in use, 0 to 1.
 	KvCacheUsage float32 `protobuf:"fixed32,3,opt,name=kv_cache_usage,json=kvCacheUsage,proto3" json:"kv_cache_usage,omitempty"`
@@ -522,8 +526,11 @@ type Load struct {
 	NumFreeKvBlocks uint32 `protobuf:"varint,4,opt,name=num_free_kv_blocks,json=numFreeKvBlocks,proto3" json:"num_free_kv_blocks,omitempty"`
 	// All KV cache blocks.
 	NumTotalKvBlocks uint32 `protobuf:"varint,5,opt,name=num_total_kv_blocks,json=numTotalKvBlocks,proto3" json:"num_total_kv_blocks,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Completions (sequences) in the running batch: num_running_requests plus the extra completions of
+	// requests with n > 1; at most ServerLimits.max_num_seqs.
+	NumRunningCompletions uint32 `protobuf:"varint,6,opt,name=num_running_completions,json=numRunningCompletions,proto3" json:"num_running_completions,omitempty"`
+	unknownFields         protoimpl.UnknownFields
+	sizeCache             protoimpl.SizeCache
 }
 
 func (x *Load) Reset() {
@@ -587,6 +594,13 @@ func (x *Load) GetNumFreeKvBlocks() uint32 {
 func (x *Load) GetNumTotalKvBlocks() uint32 {
 	if x != nil {
 		return x.NumTotalKvBlocks
+	}
+	return 0
+}
+
+func (x *Load) GetNumRunningCompletions() uint32 {
+	if x != nil {
+		return x.NumRunningCompletions
 	}
 	return 0
 }
@@ -821,13 +835,14 @@ const file_engine_v1_info_proto_rawDesc = "" +
 	"\x0euptime_seconds\x18\x03 \x01(\x01R\ruptimeSeconds\x12,\n" +
 	"\x05state\x18\x04 \x01(\x0e2\x16.engine.v1.EngineStateR\x05state\x12#\n" +
 	"\x04load\x18\x05 \x01(\v2\x0f.engine.v1.LoadR\x04load\x12/\n" +
-	"\x06limits\x18\x06 \x01(\v2\x17.engine.v1.ServerLimitsR\x06limits\"\xec\x01\n" +
+	"\x06limits\x18\x06 \x01(\v2\x17.engine.v1.ServerLimitsR\x06limits\"\xa4\x02\n" +
 	"\x04Load\x120\n" +
 	"\x14num_running_requests\x18\x01 \x01(\rR\x12numRunningRequests\x120\n" +
 	"\x14num_waiting_requests\x18\x02 \x01(\rR\x12numWaitingRequests\x12$\n" +
 	"\x0ekv_cache_usage\x18\x03 \x01(\x02R\fkvCacheUsage\x12+\n" +
 	"\x12num_free_kv_blocks\x18\x04 \x01(\rR\x0fnumFreeKvBlocks\x12-\n" +
-	"\x13num_total_kv_blocks\x18\x05 \x01(\rR\x10numTotalKvBlocks\"\xd0\x02\n" +
+	"\x13num_total_kv_blocks\x18\x05 \x01(\rR\x10numTotalKvBlocks\x126\n" +
+	"\x17num_running_completions\x18\x06 \x01(\rR\x15numRunningCompletions\"\xd0\x02\n" +
 	"\fServerLimits\x12\"\n" +
 	"\rmax_model_len\x18\x01 \x01(\rR\vmaxModelLen\x12 \n" +
 	"\fmax_num_seqs\x18\x02 \x01(\rR\n" +

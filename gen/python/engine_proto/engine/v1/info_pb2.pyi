@@ -264,7 +264,10 @@ Global___GetServerInfoResponse: _TypeAlias = GetServerInfoResponse  # noqa: Y015
 
 @_typing.final
 class Load(_message.Message):
-    """Load is the work the engine has now."""
+    """Load is the work the engine has now. Counts are of requests: a request with n > 1 counts once (its
+    completions are counted in num_running_completions). While the engine is not running (FAILED, or the
+    server is stopping after its engine stopped) every field is 0.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -273,16 +276,25 @@ class Load(_message.Message):
     KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_TOTAL_KV_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_RUNNING_COMPLETIONS_FIELD_NUMBER: _builtins.int
     num_running_requests: _builtins.int
-    """Requests being generated (their completions hold KV cache)."""
+    """Requests being generated: at least one of their completions is in the running batch (and holds KV
+    cache).
+    """
     num_waiting_requests: _builtins.int
-    """Requests admitted but waiting for the scheduler."""
+    """Requests admitted but not running: queued for the scheduler, preempted, or waiting for their
+    structured-output constraint to compile.
+    """
     kv_cache_usage: _builtins.float
     """Fraction of the KV cache in use, 0 to 1."""
     num_free_kv_blocks: _builtins.int
     """Free KV cache blocks."""
     num_total_kv_blocks: _builtins.int
     """All KV cache blocks."""
+    num_running_completions: _builtins.int
+    """Completions (sequences) in the running batch: num_running_requests plus the extra completions of
+    requests with n > 1; at most ServerLimits.max_num_seqs.
+    """
     def __init__(
         self,
         *,
@@ -291,10 +303,11 @@ class Load(_message.Message):
         kv_cache_usage: _builtins.float = ...,
         num_free_kv_blocks: _builtins.int = ...,
         num_total_kv_blocks: _builtins.int = ...,
+        num_running_completions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_cache_usage", b"kv_cache_usage", "num_free_kv_blocks", b"num_free_kv_blocks", "num_running_requests", b"num_running_requests", "num_total_kv_blocks", b"num_total_kv_blocks", "num_waiting_requests", b"num_waiting_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_cache_usage", b"kv_cache_usage", "num_free_kv_blocks", b"num_free_kv_blocks", "num_running_completions", b"num_running_completions", "num_running_requests", b"num_running_requests", "num_total_kv_blocks", b"num_total_kv_blocks", "num_waiting_requests", b"num_waiting_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -787,17 +787,21 @@ default_message_pool.register_message("engine.v1", "JsonObject", JsonObject)
 @dataclass(eq=False, repr=False)
 class Load(betterproto2.Message):
     """
-    Load is the work the engine has now.
+    Load is the work the engine has now. Counts are of requests: a request with n > 1 counts once (its
+    completions are counted in num_running_completions). While the engine is not running (FAILED, or the
+    server is stopping after its engine stopped) every field is 0.
     """
 
     num_running_requests: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
     """
-    Requests being generated (their completions hold KV cache).
+    Requests being generated: at least one of their completions is in the running batch (and holds KV
+    cache).
     """
 
     num_waiting_requests: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
     """
-    Requests admitted but waiting for the scheduler.
+    Requests admitted but not running: queued for the scheduler, preempted, or waiting for their
+    structured-output constraint to compile.
     """
 
     kv_cache_usage: "float" = betterproto2.field(3, betterproto2.TYPE_FLOAT)
@@ -813,6 +817,12 @@ class Load(betterproto2.Message):
     num_total_kv_blocks: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
     """
     All KV cache blocks.
+    """
+
+    num_running_completions: "int" = betterproto2.field(6, betterproto2.TYPE_UINT32)
+    """
+    Completions (sequences) in the running batch: num_running_requests plus the extra completions of
+    requests with n > 1; at most ServerLimits.max_num_seqs.
     """
 
 

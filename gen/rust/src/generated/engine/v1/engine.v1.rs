@@ -547,13 +547,17 @@ pub struct GetServerInfoResponse {
     #[prost(message, optional, tag="6")]
     pub limits: ::core::option::Option<ServerLimits>,
 }
-/// Load is the work the engine has now.
+/// Load is the work the engine has now. Counts are of requests: a request with n > 1 counts once (its
+/// completions are counted in num_running_completions). While the engine is not running (FAILED, or the
+/// server is stopping after its engine stopped) every field is 0.
 #[derive(Clone, Copy, PartialEq, ::prost::Message)]
 pub struct Load {
-    /// Requests being generated (their completions hold KV cache).
+    /// Requests being generated: at least one of their completions is in the running batch (and holds KV
+    /// cache).
     #[prost(uint32, tag="1")]
     pub num_running_requests: u32,
-    /// Requests admitted but waiting for the scheduler.
+    /// Requests admitted but not running: queued for the scheduler, preempted, or waiting for their
+    /// structured-output constraint to compile.
     #[prost(uint32, tag="2")]
     pub num_waiting_requests: u32,
     /// Fraction of the KV cache in use, 0 to 1.
@@ -566,6 +570,10 @@ pub struct Load {
     #[prost(uint32, tag="5")]
     pub num_total_kv_blocks: u32,
 }
+    /// Completions (sequences) in the running batch: num_running_requests plus the extra completions of
+    /// requests with n > 1; at most ServerLimits.max_num_seqs.
+    #[prost(uint32, tag="6")]
+    pub num_running_completions: u32,
 /// ServerLimits are the limits the server enforces.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct ServerLimits {
