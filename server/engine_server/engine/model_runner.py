@@ -8,16 +8,19 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine_server.engine import cpu_kernels, decode_graphs, host_memory, triton_decode
+from engine_server.engine import cpu_kernels, host_memory
 from engine_server.engine.attention import DecodeBatch, DecodeGroup, PagedMetadata, PrefillBatch, PrefillChunk
 from engine_server.engine.cpu_kernels import CpuKernels
-from engine_server.engine.decode_graphs import DecodeGraphs
 from engine_server.engine.fused_modules import fuse_modules, rotary_kernel_active
 from engine_server.engine.loader import KVShape
 from engine_server.engine.scheduler import ScheduledSeq
+
+if TYPE_CHECKING:
+    from engine_server.engine.decode_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +73,10 @@ class ModelRunner:
             logger.info("fused CPU kernels: %d RMSNorm and %d gated-SiLU MLP modules, rotary embedding in %d "
                         "modeling files", fused["rms_norm"], fused["silu_mlp"], fused["rotary"])
         elif device.type == "cuda":
+            # NOTE: the GPU-only modules are imported only here, on CUDA (a CPU engine never loads triton:
+            # engine/gpu_modules.py)
+            from engine_server.engine import triton_decode
+
             self.decode_kernel = triton_decode.load(
                 device, dtype, kv_heads=kv.num_kv_heads, group=kv.num_heads // kv.num_kv_heads,
                 head_dim=kv.head_dim, block_size=block_size)
@@ -80,12 +87,15 @@ class ModelRunner:
         self.kv_caches = [(self._zeros(shape, dtype), self._zeros(shape, dtype))
                           for _ in range(kv.num_layers)]
         self.decode_graphs: DecodeGraphs | None = None
-        if (device.type == "cuda" and self.decode_kernel is not None and self._has_logits_to_keep
-                and decode_graphs.enabled()):
-            graphs = DecodeGraphs(model, kv_caches=self.kv_caches, kernel=self.decode_kernel,
-                                  max_batch=max_num_seqs, max_blocks=-(-max_model_len // block_size),
-                                  block_size=block_size, spare_block=self.spare_block, device=device)
-            self.decode_graphs = graphs if graphs.capture() else None
+        if device.type == "cuda" and self.decode_kernel is not None and self._has_logits_to_keep:
+            from engine_server.engine import decode_graphs
+
+            if decode_graphs.enabled():
+                graphs = decode_graphs.DecodeGraphs(
+                    model, kv_caches=self.kv_caches, kernel=self.decode_kernel, max_batch=max_num_seqs,
+                    max_blocks=-(-max_model_len // block_size), block_size=block_size,
+                    spare_block=self.spare_block, device=device)
+                self.decode_graphs = graphs if graphs.capture() else None
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.device.type == "cpu":

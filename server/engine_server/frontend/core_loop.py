@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Protocol
 
+from engine_server.engine.gpu_modules import keep_gpu_modules_out
 from engine_server.engine.types import (
     CompletionDelta,
     EngineOverloaded,
@@ -78,6 +79,7 @@ def run_core_process(conn: Connection, config: EngineConfig, engine_factory: Eng
     set_process_title(ENGINE_CORE)
     # NOTE: Ctrl-C reaches the whole process group; the server decides how to stop (drain, then tell us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_gpu_modules_out(config.device)
     run_core(conn, config, engine_factory, own_process=True)
     exit_without_teardown()
 

@@ -27,6 +27,7 @@ from engine_server.engine.types import (
     EngineRequest,
     EngineStats,
     RequestError,
+from engine_server.engine.gpu_modules import keep_gpu_modules_out
 )
 from engine_server.frontend.core_loop import embed_reply, exit_without_teardown
 from engine_server.frontend.messages import (
@@ -68,6 +69,7 @@ def run_multi_core_process(
                 with contextlib.suppress(OSError):
                     conn.send(LoadFailed(type(exc).__name__, str(exc)))
             return
+    keep_gpu_modules_out(config.device)
         freeze_startup_heap()  # this process is the core's own: see gc_policy.py
         for conn in conns:
             conn.send(Ready(engine.model_info, engine.stats()))
