@@ -307,12 +307,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     logger.info("engine-server %s (pid %d)", _version(), os.getpid())
+    from engine_server.api.runner import run
+
     if server_config.in_process_engine:  # this process runs the engine (else the core's process does)
         from engine_server.engine.gpu_modules import keep_gpu_modules_out
 
         keep_gpu_modules_out(engine_config.device)
-    from engine_server.api.runner import run
-
     factory = None
     if args.simulated_engine is not None:  # a dev/bench option: the frontend measured alone
         from engine_server.engine.simulated import simulated_engine_factory

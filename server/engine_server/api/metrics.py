@@ -114,11 +114,11 @@ class ServerMetrics:
             return value
 
         self._running.set_function(field(lambda s: s.num_running))
+        self._running_completions.set_function(field(lambda s: s.num_running_completions))
         self._waiting.set_function(field(lambda s: s.num_waiting))
         self._kv_usage.set_function(field(lambda s: s.kv_cache_usage))
 
     def watch_core(self, pid: Callable[[], int | None]) -> None:
-        self._running_completions.set_function(field(lambda s: s.num_running_completions))
         """engine_core_process_* from the engine core's process, while `pid()` names one."""
         self.registry.register(_CoreProcessCollector(pid))
 

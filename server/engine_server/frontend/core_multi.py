@@ -21,13 +21,13 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, cast
 
+from engine_server.engine.gpu_modules import keep_gpu_modules_out
 from engine_server.engine.types import (
     CompletionDelta,
     EngineOverloaded,
     EngineRequest,
     EngineStats,
     RequestError,
-from engine_server.engine.gpu_modules import keep_gpu_modules_out
 )
 from engine_server.frontend.core_loop import embed_reply, exit_without_teardown
 from engine_server.frontend.messages import (
@@ -61,6 +61,7 @@ def run_multi_core_process(
     """Entry point of the shared core's process; conns[0] belongs to the primary frontend."""
     set_process_title(ENGINE_CORE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the primary decides how to stop
+    keep_gpu_modules_out(config.device)
     try:
         try:
             engine = engine_factory(config)
@@ -69,7 +70,6 @@ def run_multi_core_process(
                 with contextlib.suppress(OSError):
                     conn.send(LoadFailed(type(exc).__name__, str(exc)))
             return
-    keep_gpu_modules_out(config.device)
         freeze_startup_heap()  # this process is the core's own: see gc_policy.py
         for conn in conns:
             conn.send(Ready(engine.model_info, engine.stats()))

@@ -569,11 +569,11 @@ pub struct Load {
     /// All KV cache blocks.
     #[prost(uint32, tag="5")]
     pub num_total_kv_blocks: u32,
-}
     /// Completions (sequences) in the running batch: num_running_requests plus the extra completions of
     /// requests with n > 1; at most ServerLimits.max_num_seqs.
     #[prost(uint32, tag="6")]
     pub num_running_completions: u32,
+}
 /// ServerLimits are the limits the server enforces.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct ServerLimits {
