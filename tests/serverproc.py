@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 STARTUP_TIMEOUT_S = 240.0  # first start may build the tiny model; two cores shared with other test servers
 STOP_TIMEOUT_S = 60.0
@@ -78,6 +79,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def connection_owner(channel: Any) -> int:
+    """The pid of the server process that accepted this (used) grpclib channel's connection (Linux: via
+    /proc/net/tcp); with --api-workers, which frontend serves it."""
+    protocol = channel._protocol  # grpclib internals: the connection of a used channel
+    local_port = protocol.connection._transport.get_extra_info("sockname")[1]
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].split(":")[1], 16) == local_port:  # remote end = our client socket
+            inode = fields[9]
+            break
+    assert inode is not None
+    target = f"socket:[{inode}]"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == target for fd in fds):
+                return int(pid)
+        except OSError:
+            continue
+    raise AssertionError("no process owns the server end of the connection")
+
+
 def _descendants(pid: int) -> list[int]:
     children = [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     return [found for child in children for found in (child, *_descendants(child))]
@@ -107,6 +131,10 @@ class RunningServer:
     def pids_named(self, name: str) -> list[int]:
         """The server's descendant processes of that name (Linux)."""
         return [pid for pid in _descendants(self.process.pid) if process_name(pid) == name]
+
+    def pids(self) -> list[int]:
+        """The server's process and all its descendants (Linux)."""
+        return [self.process.pid, *_descendants(self.process.pid)]
 
     def send_signal(self, signum: int) -> None:
         if self.process.poll() is None:

@@ -8,7 +8,7 @@ Each completion generates `prompt[-1] + 1, + 2, ...` (mod vocab), one token per 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine_server.engine.model_info import ModelInfo
@@ -155,6 +155,9 @@ class FakeEngine:
         self.in_flight.pop(request_id, None)
         if not self.in_flight:
             self._idle.set()
+
+    def add_state_listener(self, listener: Callable[[EngineState], None]) -> None:
+        """(The fake's state is set directly; the server also polls it.)"""
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -16,6 +16,7 @@ from apiutil import CALL_TIMEOUT_S, Harness, completion_ids, finish_reasons, gre
 from engine_proto.engine.v1 import generate_pb2, info_pb2
 from engine_server.api.config import ServerConfig
 from engine_server.api.handle import EngineHandle
+from engine_server.api.health import LIVENESS_SERVICE
 from engine_server.api.server import EngineServer
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.types import EngineOverloaded
@@ -153,6 +154,7 @@ async def test_starting_server_is_unavailable_and_not_serving() -> None:
         await asyncio.wait_for(requested.wait(), CALL_TIMEOUT_S)
         h = Harness(server, engine)
         assert await h.health_status() == HealthCheckResponse.NOT_SERVING
+        assert await h.health_status(LIVENESS_SERVICE) == HealthCheckResponse.SERVING  # loading is alive
         info = await h.stub.GetServerInfo(info_pb2.GetServerInfoRequest(), timeout=CALL_TIMEOUT_S)
         assert info.state == info_pb2.ENGINE_STATE_STARTING
         with pytest.raises(GRPCError) as caught:
@@ -171,13 +173,27 @@ async def test_starting_server_is_unavailable_and_not_serving() -> None:
 
 async def test_engine_failure_turns_health_not_serving(harness: Harness) -> None:
     assert await harness.health_status() == HealthCheckResponse.SERVING
+    assert await harness.health_status(LIVENESS_SERVICE) == HealthCheckResponse.SERVING
     harness.engine.state = EngineState.FAILED
     assert await harness.health_status() == HealthCheckResponse.NOT_SERVING
+    assert await harness.health_status(LIVENESS_SERVICE) == HealthCheckResponse.NOT_SERVING
     load = await harness.stub.GetLoad(info_pb2.GetLoadRequest(), timeout=CALL_TIMEOUT_S)
     assert load.state == info_pb2.ENGINE_STATE_FAILED
     with pytest.raises(GRPCError) as caught:
         await harness.stub.Generate(greedy_request([5]), timeout=CALL_TIMEOUT_S)
     assert caught.value.status == Status.UNAVAILABLE
+    # The owner (api/runner.py) learns of it and stops the server: a failed engine never comes back.
+    await asyncio.wait_for(harness.server.wait_engine_failed(), 10.0)
+    assert harness.server.has_engine_failed
+    await harness.server.stop_after_failure()
+    with pytest.raises(ConnectionRefusedError):  # the port is closed
+        await asyncio.open_connection("127.0.0.1", harness.server.port)
+
+
+async def test_draining_is_alive(harness: Harness) -> None:
+    harness.server.servicer.begin_drain()
+    assert await harness.health_status() == HealthCheckResponse.NOT_SERVING
+    assert await harness.health_status(LIVENESS_SERVICE) == HealthCheckResponse.SERVING
 
 
 async def test_drain_aborts_streams_past_the_timeout() -> None:

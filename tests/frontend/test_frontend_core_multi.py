@@ -10,8 +10,9 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import pytest
 from engine_server.engine.config import EngineConfig
-from engine_server.engine.types import EngineRequest, FinishReason, SamplingParams
+from engine_server.engine.types import EngineDead, EngineRequest, FinishReason, SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
 from engine_server.frontend.core_multi import _MultiCoreLoop
 from engine_server.frontend.messages import (
@@ -185,3 +186,34 @@ async def test_abort_on_one_frontend_ends_a_stream_on_the_other(
     finally:
         await worker.shutdown(timeout=5.0)
         await primary.shutdown(timeout=5.0)
+
+
+async def test_a_replacement_frontend_joins_the_running_core(model_dir: Path, tokenizer: Tokenizer) -> None:
+    """--api-workers: a worker process that died is replaced by one on a new pipe, handed to the running core;
+    its requests are its own (the same id as one its predecessor ran is a new request)."""
+    config = EngineConfig(model=str(model_dir), max_num_seqs=8, max_waiting=16)
+    primary, pipes = await start_shared_core(config, num_frontends=2, engine_factory=fake_factory(
+        tokenizer.vocab_size, step_delay=0.001))
+    try:
+        async with asyncio.timeout(TIMEOUT_S):
+            worker = await attach_engine(pipes[0], config)
+            started = asyncio.Event()
+            endless = GenerateRequest("same-id", (5, 6, 7), SamplingParams(max_tokens=200, ignore_eos=True))
+            stream = asyncio.create_task(_last_output(worker, endless, started))
+            await started.wait()
+            await worker.shutdown(timeout=0.0)  # its pipe closes with a request in flight, as at a crash
+            assert (await stream).finished
+            successor = await attach_engine(primary.new_frontend_pipe(), config)
+            try:
+                request = GenerateRequest("same-id", (5, 6, 7), SamplingParams(max_tokens=3, ignore_eos=True))
+                last = await _last_output(successor, request, asyncio.Event())
+                assert [chunk.finish_reason for chunk in last.chunks] == [FinishReason.LENGTH]
+                assert successor.stats().num_total_blocks == NUM_BLOCKS
+                stats = await primary.wait_idle()  # the predecessor's request was aborted in the core
+                assert stats.num_running == stats.num_waiting == 0
+            finally:
+                await successor.shutdown(timeout=5.0)
+    finally:
+        await primary.shutdown(timeout=5.0)
+    with pytest.raises(EngineDead):
+        primary.new_frontend_pipe()  # no core to join any more

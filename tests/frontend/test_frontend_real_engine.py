@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.llm_engine import LLMEngine
-from engine_server.engine.types import EngineDead, FinishReason, SamplingParams
+from engine_server.engine.types import EngineDead, EngineStats, FinishReason, SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
 from engine_server.frontend.core_process import EngineLoadError
 from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest
@@ -237,13 +237,20 @@ async def test_own_process_serves_then_fails_fast_when_killed(
         streams = [engine.generate(GenerateRequest(f"doomed-{i}", ids, endless)) for i in range(6)]
         for stream in streams:
             await anext(stream)
+        core_pid = engine.core_pid
         engine.kill_core()
         async with asyncio.timeout(10.0):
             for stream in streams:
                 with pytest.raises(EngineDead, match="exited"):
                     async for _ in stream:
                         pass
+            # The dead core is collected at once (no zombie while the server lives on), and the load is
+            # nothing, not the last step's.
+            while Path(f"/proc/{core_pid}").exists():  # noqa: ASYNC110 - another process: bounded above
+                await asyncio.sleep(0.01)
         assert engine.state is EngineState.FAILED
+        assert engine.stats() == EngineStats(num_running=0, num_waiting=0, num_free_blocks=0,
+                                             num_total_blocks=0)
         with pytest.raises(EngineDead):
             engine.generate(_greedy(engine, "after", "Hello", 4))
     finally:

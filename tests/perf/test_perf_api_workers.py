@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import time
 import urllib.request
@@ -22,7 +21,7 @@ from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from prometheus_client.parser import text_string_to_metric_families
-from serverproc import RunningServer, cpu_seconds, start_server
+from serverproc import RunningServer, connection_owner, cpu_seconds, start_server
 
 TIMEOUT = 60.0
 MAX_CHANNELS = 32  # new connections until the kernel has handed some to each listener
@@ -36,28 +35,6 @@ def _request(request_id: str, *, max_tokens: int) -> generate_pb2.GenerateReques
     request.stopping.max_tokens = max_tokens
     request.stopping.ignore_eos = True
     return request
-
-
-def _socket_owner(channel: Channel) -> int:
-    """The pid of the server process that accepted this channel's connection (via /proc/net/tcp)."""
-    protocol: Any = channel._protocol  # grpclib internals: the connection of a used channel
-    local_port = protocol.connection._transport.get_extra_info("sockname")[1]
-    inode = None
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if int(fields[2].split(":")[1], 16) == local_port:  # remote end = our client socket
-            inode = fields[9]
-            break
-    assert inode is not None
-    target = f"socket:[{inode}]"
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == target for fd in fds):
-                return int(pid)
-        except OSError:
-            continue
-    raise AssertionError("no process owns the server end of the connection")
 
 
 async def _tokens(stub: EngineServiceStub, request_id: str, *, max_tokens: int) -> list[int]:
@@ -97,7 +74,7 @@ async def _connect_each_frontend(port: int, channels: dict[int, Channel], spare:
     for _ in range(MAX_CHANNELS):
         channel = Channel("127.0.0.1", port)
         await EngineServiceStub(channel).GetLoad(info_pb2.GetLoadRequest(), timeout=TIMEOUT)
-        pid = _socket_owner(channel)
+        pid = connection_owner(channel)
         if pid in channels:
             spare.append(channel)
         else:

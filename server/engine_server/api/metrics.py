@@ -90,6 +90,10 @@ class ServerMetrics:
         self._waiting = Gauge("engine_num_waiting_requests", "requests waiting for the scheduler", registry=r)
         self._kv_usage = Gauge("engine_kv_cache_usage_ratio", "fraction of KV cache blocks in use",
                                registry=r)
+        # --api-workers (the primary's): worker processes that died and were replaced
+        self.worker_restarts = Counter(
+            "engine_api_worker_restarts", "api worker processes (--api-workers) that died and were replaced",
+            registry=r)
         ProcessCollector(registry=r)  # this frontend process: process_cpu_seconds_total, ...
         self._server: Any = None
         self._workers: Callable[[], list[list[Metric]]] | None = None

@@ -1,6 +1,10 @@
 """Runs an EngineServer until SIGTERM/SIGINT: a graceful drain on the first signal, a hard stop on the second.
 
-Exit codes: 0 after a graceful stop, 1 when the server could not start or was stopped by a second signal.
+Exit codes: 0 after a graceful stop, 1 when the server could not start or was stopped by a second signal,
+3 (EXIT_ENGINE_FAILED) when the engine failed (its core process died): the calls in flight end with
+UNAVAILABLE, then the server stops at once (also when it was draining already), so that its supervisor
+(Kubernetes, systemd) starts a new one. A failed engine never recovers: staying up would hold the port with
+nothing behind it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ if TYPE_CHECKING:
     from engine_server.engine.config import EngineConfig
 
 logger = logging.getLogger("engine_server")
+
+EXIT_ENGINE_FAILED = 3
 
 
 async def serve(
@@ -63,15 +69,33 @@ async def serve(
         print(f"engine-server: error: {exc}", file=sys.stderr)
         await server.close()
         return 1
+    stopping.cancel()
     freeze_startup_heap()
-    await stopping
+    return await serve_until_stopped(server, stop, force)
+
+
+async def serve_until_stopped(server: EngineServer, stop: asyncio.Event, force: asyncio.Event) -> int:
+    """A started server serves until `stop` is set (then it drains; `force` set meanwhile stops it at once) or
+    its engine fails (then it stops at once); returns the exit code. (The primary's and each --api-workers
+    worker's life after start.)"""
+    stopping = asyncio.create_task(stop.wait())
+    failing = asyncio.create_task(server.wait_engine_failed())
+    await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+    if not stopping.done():
+        stopping.cancel()
+        logger.error("the engine failed: stopping (exit status %d) for a supervisor to start a new server",
+                     EXIT_ENGINE_FAILED)
+        await server.stop_after_failure()
+        return EXIT_ENGINE_FAILED
+    failing.cancel()
     draining = asyncio.create_task(server.drain())
     forced = asyncio.create_task(force.wait())
     await asyncio.wait({draining, forced}, return_when=asyncio.FIRST_COMPLETED)
     if draining.done():
         forced.cancel()
         draining.result()
-        return 0
+        # NOTE: an engine that failed during the drain is a failure all the same
+        return EXIT_ENGINE_FAILED if server.has_engine_failed else 0
     draining.cancel()
     await server.close()
     return 1

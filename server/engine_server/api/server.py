@@ -4,6 +4,9 @@
 request -> 4) SERVING + ready file -> 5) drain on request: NOT_SERVING, new calls UNAVAILABLE, in-flight
 streams finish within the drain timeout, the rest are aborted (finish reason ABORT); each HTTP/2 connection
 gets GOAWAY(NO_ERROR) once it has no call open -> 6) close.
+An engine that fails (its core process died) ends every call in flight with UNAVAILABLE; `wait_engine_failed`
+tells the owner, which stops the server (`stop_after_failure`): a failed engine never comes back, so the
+process must end for its supervisor to start a new one (api/runner.py).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from engine_server.api.stream_limit import LocalStreamLimit
 from engine_server.api.vllm_compat import SERVICE_NAME as VLLM_SERVICE
 from engine_server.api.vllm_compat import VllmCompatOptions, VllmEngineServicer
 from engine_server.engine.types import SamplingParams
-from engine_server.frontend.outputs import GenerateRequest
+from engine_server.frontend.outputs import EngineState, GenerateRequest
 
 if TYPE_CHECKING:
     from engine_server.api.config import ServerConfig
@@ -92,7 +95,8 @@ class EngineServer:
             served_model_name=name, max_concurrent_streams=config.max_concurrent_streams,
             metrics=self.metrics, in_flight=self._in_flight,
         )
-        self.health, self._check = build_health(self.servicer, self._is_serving)
+        self.health, self._check = build_health(self.servicer, is_serving=self._is_serving,
+                                                is_alive=self._is_alive)
         # vllm.grpc.engine.VllmEngine on the same port: the smg gateway's worker protocol (docs/deploy.md).
         self.vllm_servicer = VllmEngineServicer(
             options=VllmCompatOptions(served_model_name=name, max_num_seqs=engine_config.max_num_seqs),
@@ -118,6 +122,7 @@ class EngineServer:
         self.port = 0
         self.metrics_port: int | None = None
         self._monitor: asyncio.Task[None] | None = None
+        self._engine_failed = asyncio.Event()
 
     def use_stream_limit(self, stream_limit: StreamLimit) -> None:
         """--max-concurrent-streams counts engine.v1 and vLLM Generate streams together, in one object
@@ -127,6 +132,9 @@ class EngineServer:
 
     def _is_serving(self) -> bool:
         return self.servicer.state == info_pb2.ENGINE_STATE_SERVING
+
+    def _is_alive(self) -> bool:
+        return self.servicer.state != info_pb2.ENGINE_STATE_FAILED
 
     async def start(self) -> None:
         cfg = self.config
@@ -145,6 +153,7 @@ class EngineServer:
                     info.num_kv_blocks, info.block_size)
         self.servicer.attach(engine, limits=self._limits(engine))
         self.vllm_servicer.attach(engine)
+        engine.add_state_listener(self._on_engine_state)
         await self._warm_up(engine)
         self.servicer.set_ready()
         self._check.refresh()
@@ -182,11 +191,36 @@ class EngineServer:
                     pass
         logger.info("warm-up done in %.2f s", time.monotonic() - started)
 
+    def _on_engine_state(self, state: EngineState) -> None:
+        self._check.refresh()  # health Watch streams learn it now (Check reads the state live)
+        if state is EngineState.FAILED:
+            self._engine_failed.set()
+
     async def _watch_engine(self) -> None:
-        """Notices an engine failure between calls, for health Watch streams (Check reads the state live)."""
+        """Notices an engine failure that no state listener reported (a handle that has none to call)."""
         while True:
             self._check.refresh()
+            if self._engine is not None and self._engine.state is EngineState.FAILED:
+                self._engine_failed.set()
             await asyncio.sleep(1.0)
+
+    @property
+    def has_engine_failed(self) -> bool:
+        return self._engine_failed.is_set()
+
+    async def wait_engine_failed(self) -> None:
+        """Returns once the engine has failed (never, while it serves); then call `stop_after_failure`."""
+        await self._engine_failed.wait()
+
+    async def stop_after_failure(self) -> None:
+        """The engine failed: its calls in flight have their error (UNAVAILABLE); give their handlers a moment
+        to send it, then close (each idle connection gets GOAWAY first, so clients go elsewhere)."""
+        self.servicer.begin_drain()
+        self._check.refresh()
+        self._server.begin_drain()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._in_flight.wait_idle(), _HANDLER_GRACE_S)
+        await self.close()
 
     async def drain(self) -> None:
         """Graceful stop: NOT_SERVING, refuse new calls, let in-flight streams finish, abort the rest."""

@@ -129,6 +129,11 @@ class WorkerScraper:
         finally:
             self._lock.release()
 
+    @property
+    def last(self) -> list[Metric]:
+        """The worker's latest answer (empty before its first)."""
+        return self._last
+
     def _answer(self, deadline: float) -> str | None:
         while self._conn.poll(max(0.0, deadline - time.monotonic())):
             answer = self._conn.recv()

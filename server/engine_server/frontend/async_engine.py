@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 Validator = Callable[[EngineRequest, "ModelInfo"], None]
 
+_REAP_TIMEOUT_S = 5.0  # a core whose pipe broke while it runs on is killed after this
+_NO_ENGINE_STATS = EngineStats(num_running=0, num_waiting=0, num_free_blocks=0, num_total_blocks=0)
+
 
 class AsyncEngine:
     """Start with `await AsyncEngine.start(config)`; stop with `await engine.shutdown(timeout=...)`."""
@@ -186,7 +189,7 @@ class AsyncEngine:
     # --- observation --------------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        """The core's snapshot after its latest step (no round trip)."""
+        """The core's snapshot after its latest step (no round trip); all zero once the core is gone."""
         return self._stats
 
     async def refresh_stats(self) -> EngineStats:
@@ -305,10 +308,16 @@ class AsyncEngine:
                 messages = [await client.recv(), *client.recv_ready()]
                 self._on_messages(messages)
         except EngineDead as exc:
-            self._on_core_gone(exc)
+            failure = exc
         except Exception as exc:
             logger.exception("engine output processing failed")
-            self._on_core_gone(EngineDead(f"engine output processing failed: {type(exc).__name__}: {exc}"))
+            failure = EngineDead(f"engine output processing failed: {type(exc).__name__}: {exc}")
+        self._on_core_gone(failure)  # every request and call gets its error now
+        if self.state is EngineState.FAILED:
+            # NOTE: the dead core is collected at once (it stayed a zombie until the server exited); how it
+            # ended (a signal, an exit code) is what an operator needs in the log.
+            how = await client.reap(timeout=_REAP_TIMEOUT_S)
+            logger.error("engine core is gone%s: %s", how, failure)
 
     def _on_messages(self, messages: list[CoreMessage]) -> None:
         touched: dict[RequestState, None] = {}  # an ordered set: each one is woken once, at the end
@@ -372,14 +381,10 @@ class AsyncEngine:
             future.set_result(reply.result)
 
     def _on_core_gone(self, exc: EngineDead) -> None:
-        if self._is_closing:
-            self._set_state(EngineState.STOPPED)
-            error = EngineDead("the engine was shut down")
-        else:
-            logger.error("engine core is gone: %s", exc)
-            self._set_state(EngineState.FAILED)
-            error = exc
-        self._failure = error
+        # NOTE: no engine, no load: GetLoad and the metrics report zero from now on, not the last step's.
+        self._stats = _NO_ENGINE_STATS
+        self._failure = error = EngineDead("the engine was shut down") if self._is_closing else exc
+        self._set_state(EngineState.STOPPED if self._is_closing else EngineState.FAILED)
         requests, self._requests = self._requests, {}
         for state in requests.values():
             state.fail(error)

@@ -10,13 +10,19 @@ the engine's ABORT deltas.
 Every frontend gets its own deltas in one StepOutput per step, and the engine-wide stats whenever they change
 (GetLoad on any frontend describes the whole engine). A frontend that says shutdown or whose pipe closes is
 detached (its requests aborted); frontend 0 (the primary, which owns the core process) stops the core.
+A frontend that joins later (the primary replaces a worker process that died) comes over the control socket:
+the primary sends one end of a new pipe (SCM_RIGHTS) with a frontend number never used before, so no delta
+of the dead worker's requests can reach its successor; the core greets it with Ready, as the first ones.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+import socket
+import struct
 import traceback
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, cast
@@ -56,9 +62,11 @@ logger = logging.getLogger(__name__)
 
 
 def run_multi_core_process(
-    conns: list[Connection], config: EngineConfig, engine_factory: EngineFactory
+    conns: list[Connection], config: EngineConfig, engine_factory: EngineFactory,
+    control: socket.socket | None = None,
 ) -> None:
-    """Entry point of the shared core's process; conns[0] belongs to the primary frontend."""
+    """Entry point of the shared core's process; conns[0] belongs to the primary frontend, which sends the
+    pipes of later frontends over `control` (a SOCK_SEQPACKET Unix socket; see `send_frontend_pipe`)."""
     set_process_title(ENGINE_CORE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the primary decides how to stop
     keep_gpu_modules_out(config.device)
@@ -73,7 +81,7 @@ def run_multi_core_process(
         freeze_startup_heap()  # this process is the core's own: see gc_policy.py
         for conn in conns:
             conn.send(Ready(engine.model_info, engine.stats()))
-        _MultiCoreLoop(engine, conns).run()
+        _MultiCoreLoop(engine, conns, control=control).run()
     except Exception as exc:
         logger.exception("engine core failed")
         for conn in conns:
@@ -85,10 +93,21 @@ def run_multi_core_process(
     exit_without_teardown()
 
 
+_FRONTEND_NUMBER = struct.Struct("!I")  # a control message: the frontend's number, with its pipe's descriptor
+
+
+def send_frontend_pipe(control: socket.socket, frontend: int, conn: Connection) -> None:
+    """The primary's side of the control socket: frontend number `frontend` is served over `conn` (whose
+    descriptor the core gets a copy of; close it after). Raises OSError when the core is gone."""
+    socket.send_fds(control, [_FRONTEND_NUMBER.pack(frontend)], [conn.fileno()])
+
+
 class _MultiCoreLoop:
-    def __init__(self, engine: EngineCore, conns: list[Connection]) -> None:
+    def __init__(self, engine: EngineCore, conns: list[Connection], *,
+                 control: socket.socket | None = None) -> None:
         self._engine = engine
         self._conns: dict[int, Connection] = dict(enumerate(conns))
+        self._control = control
         # Per frontend: engine request id -> completions still running (aborted if the frontend goes away).
         self._owned: dict[int, dict[str, int]] = {index: {} for index in self._conns}
         self._rejected: dict[int, list[tuple[str, ErrorInfo]]] = {}
@@ -101,8 +120,14 @@ class _MultiCoreLoop:
         while True:
             # 1) Commands from every frontend; block (on all pipes) only when there is no work.
             timeout = None if not engine.has_unfinished() and not self._needs_step else 0
-            for ready in wait(list(self._conns.values()), timeout):
-                self._read(cast(Connection, ready))
+            waitables: list[Connection | socket.socket] = list(self._conns.values())
+            if self._control is not None:
+                waitables.append(self._control)
+            for ready in wait(waitables, timeout):
+                if ready is self._control:
+                    self._accept_frontend(self._control)
+                else:
+                    self._read(cast(Connection, ready))
             if self._is_stopping or 0 not in self._conns:
                 return
             # 2) One step; 3) each frontend's deltas (and the stats) in one message per frontend.
@@ -120,6 +145,28 @@ class _MultiCoreLoop:
             self._owned.get(index, {}).pop(engine_id, None)
             if index in self._conns:
                 self._rejected.setdefault(index, []).append((request_id, ErrorInfo.from_exception(exc)))
+
+    def _accept_frontend(self, control: socket.socket) -> None:
+        """A frontend that joins now (the primary's replacement for a worker that died)."""
+        try:
+            data, fds, _flags, _address = socket.recv_fds(control, _FRONTEND_NUMBER.size, 1)
+        except OSError:
+            data, fds = b"", []
+        if len(data) != _FRONTEND_NUMBER.size or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            if not data:  # the primary closed its end: no more frontends will come
+                self._control = None
+                control.close()
+            return
+        (index,) = _FRONTEND_NUMBER.unpack(data)
+        conn = Connection(fds[0])
+        self._conns[index] = conn
+        self._owned[index] = {}
+        try:
+            conn.send(Ready(self._engine.model_info, self._engine.stats()))
+        except OSError:
+            self._detach(index)
 
     def _read(self, conn: Connection) -> None:
         index = next(i for i, c in self._conns.items() if c is conn)

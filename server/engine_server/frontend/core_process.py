@@ -15,6 +15,7 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import signal
 import socket
 import struct
 import threading
@@ -186,7 +187,25 @@ class CoreClient:
         if self._process is None:
             return ""
         code = self._process.exitcode
-        return f" (exit code {code})" if code is not None else ""
+        if code is None:
+            return ""
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f" (killed by {signal.Signals(-code).name})"
+        return f" (exit code {code})"
+
+    async def reap(self, *, timeout: float) -> str:  # noqa: ASYNC109 - a join budget
+        """After the pipe failed: wait for the core process's end (a core whose pipe broke while it runs on
+        is killed after `timeout` s) and collect it, so it does not stay a zombie; returns how it ended
+        (" (killed by SIGKILL)", or "" for a core thread)."""
+        process = self._process
+        if process is None:
+            return ""
+        await asyncio.to_thread(process.join, timeout)
+        if process.is_alive():
+            process.kill()
+            await asyncio.to_thread(process.join, 5.0)
+        return self._exit_suffix()
 
     def abandon(self) -> None:
         """Stop the core without waiting (a cancelled start): kill the process, or tell the thread to stop."""

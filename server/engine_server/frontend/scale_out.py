@@ -1,7 +1,8 @@
 """Several frontend processes over one engine core (`engine-server --api-workers N`): the frontend side.
 
 The primary frontend starts the shared core (frontend/core_multi.py) with one pipe per frontend and gets an
-`AsyncEngine` on pipe 0; it hands the other pipes to its worker processes, which `attach_engine` to theirs.
+`AsyncEngine` on pipe 0; it hands the other pipes to its worker processes, which `attach_engine` to theirs
+(a worker started later, in place of one that died, gets a new pipe: `PrimaryEngine.new_frontend_pipe`).
 Everything above the pipe (detokenizer, stop strings, coalescing) is the ordinary AsyncEngine; only `abort`
 reaches past its own frontend (`SharedCoreEngine`), since a client may abort over another connection.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING
 from engine_server.engine.types import EngineDead
 from engine_server.frontend.async_engine import AsyncEngine
 from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
-from engine_server.frontend.core_multi import run_multi_core_process
+from engine_server.frontend.core_multi import run_multi_core_process, send_frontend_pipe
 from engine_server.frontend.core_process import CoreClient, CoreGone, EngineLoadError, core_environment
 from engine_server.frontend.messages import AbortElsewhereCommand, LoadFailed, Ready
 from engine_server.frontend.outputs import EngineState
@@ -49,18 +51,44 @@ class SharedCoreEngine(AsyncEngine):
 
 
 class PrimaryEngine(SharedCoreEngine):
-    """The primary frontend's handle: on shutdown, the workers stop first (they share its core)."""
+    """The primary frontend's handle: it hands pipes to the core for replacement workers, and on shutdown the
+    workers stop first (they share its core)."""
 
     _before_shutdown: BeforeShutdown | None = None
+    _control: socket.socket | None = None
+    _next_frontend = 0
 
     def set_before_shutdown(self, hook: BeforeShutdown) -> None:
         self._before_shutdown = hook
+
+    def use_control(self, control: socket.socket, *, next_frontend: int) -> None:
+        self._control = control
+        self._next_frontend = next_frontend
+
+    def new_frontend_pipe(self) -> Connection:
+        """A pipe to the shared core for a new worker process (one that replaces a worker that died): the core
+        gets the other end and greets the worker with Ready. Raises EngineDead when the core is gone."""
+        if self._control is None or self.state is not EngineState.SERVING:
+            raise EngineDead(f"the engine is {self.state.value}")
+        ours, theirs = multiprocessing.get_context("spawn").Pipe(duplex=True)
+        frontend, self._next_frontend = self._next_frontend, self._next_frontend + 1
+        try:
+            send_frontend_pipe(self._control, frontend, theirs)
+        except OSError as exc:
+            ours.close()
+            raise EngineDead(f"cannot reach the engine core: {exc}") from exc
+        finally:
+            theirs.close()
+        return ours
 
     async def shutdown(self, *, timeout: float) -> None:  # noqa: ASYNC109 - a drain budget
         hook, self._before_shutdown = self._before_shutdown, None
         if hook is not None:
             self.begin_drain()
             await hook(timeout)
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         await super().shutdown(timeout=timeout)
 
 
@@ -74,19 +102,24 @@ async def start_shared_core(
     ctx = multiprocessing.get_context("spawn")
     pairs = [ctx.Pipe(duplex=True) for _ in range(num_frontends)]
     children = [child for _, child in pairs]
-    process = ctx.Process(target=run_multi_core_process, args=(children, config, engine_factory),
-                          name="engine-core", daemon=True)
+    # NOTE: SOCK_SEQPACKET: one control message per frontend, each with its descriptor, never merged
+    control, core_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    process = ctx.Process(target=run_multi_core_process, name="engine-core", daemon=True,
+                          args=(children, config, engine_factory, core_control))
     with core_environment():  # e.g. passive OpenMP waiting: see core_process.py
         process.start()
+    core_control.close()
     for _, child in pairs:
         child.close()  # else a frontend never sees EOF when the core dies
     try:
         engine = await _attach(pairs[0][0], config, process=process, engine_cls=PrimaryEngine)
     except BaseException:
+        control.close()
         for parent, _ in pairs[1:]:
             parent.close()
         raise
     assert isinstance(engine, PrimaryEngine)
+    engine.use_control(control, next_frontend=num_frontends)
     return engine, [parent for parent, _ in pairs[1:]]
 
 
