@@ -10,7 +10,9 @@ Status codes shared by every RPC of EngineService (an RPC's own comment lists th
                       on another replica for every RPC except a Generate that already streamed output.
   RESOURCE_EXHAUSTED  too many concurrent requests or a message over the size limit. Retry later.
   INVALID_ARGUMENT    besides each RPC's own cases: the request message's bytes do not parse as the RPC's
-                      request type, or the call's stream ended inside the message.
+                      request type, the call's stream ended inside the message, the message sets two members
+                      of one oneof (protobuf would keep the last one unseen), or the grpc-timeout header is
+                      malformed.
   INTERNAL            an unexpected server fault; the message is generic, details are in the server log.
 
 Health is NOT part of this service: servers MUST also serve the standard `grpc.health.v1.Health` service,

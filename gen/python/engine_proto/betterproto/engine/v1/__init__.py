@@ -1126,12 +1126,13 @@ class StructuredOutput(betterproto2.Message):
     A JSON Schema (draft 2020-12, as text). Supported: type, properties, required, additionalProperties,
     items, prefixItems, minItems, maxItems, enum, const, anyOf, oneOf (as anyOf), allOf, $ref and $defs,
     string minLength / maxLength / pattern / format (date-time, date, time, email, uuid, ...), number
-    minimum / maximum / exclusiveMinimum / exclusiveMaximum / multipleOf, object minProperties /
-    maxProperties / patternProperties. Validation keywords the grammar library cannot enforce (uniqueItems,
-    contains, not, if / then / else, dependentRequired, dependentSchemas, ...) and unknown formats are
-    INVALID_ARGUMENT naming them, never silently dropped; annotations (title, description, examples, default,
-    $schema, $id, $comment) and keys outside JSON Schema's vocabulary are ignored. Output is compact JSON (no
-    whitespace between tokens) unless the schema's "x-guidance" object says otherwise.
+    minimum / maximum / exclusiveMinimum / exclusiveMaximum / multipleOf, object patternProperties.
+    Validation keywords the grammar library cannot enforce (uniqueItems, contains, not, if / then / else,
+    dependentRequired, dependentSchemas, minProperties / maxProperties beyond what required implies, ...)
+    and unknown formats are INVALID_ARGUMENT naming them, never silently dropped; annotations (title,
+    description, examples, default, $schema, $id, $comment) and keys outside JSON Schema's vocabulary are
+    ignored. Output is compact JSON (no whitespace between tokens) unless the schema's "x-guidance" object
+    says otherwise.
     """
 
     json_object: "JsonObject | None" = betterproto2.field(
