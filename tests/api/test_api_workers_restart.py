@@ -21,7 +21,6 @@ from serverproc import RunningServer, connection_owner, start_server
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 
-MAX_CHANNELS = 64  # new connections until the kernel hands one to the wanted frontend
 RESTART_WITHIN_S = 60.0  # a worker imports the stack and loads the tokenizer (~1 s; two busy shared cores)
 GENERATE_OK = ("engine_requests_total", (("code", "OK"), ("rpc", "Generate")))
 RESTARTS = ("engine_api_worker_restarts_total", ())
@@ -36,10 +35,11 @@ def _scrape(server: RunningServer) -> dict[tuple[str, tuple[tuple[str, str], ...
             for family in text_string_to_metric_families(body) for sample in family.samples}
 
 
-async def _generate_on(server: RunningServer, pid: int) -> None:
-    """A Generate over a connection that frontend `pid` serves, once it serves (new connections until the
-    kernel hands one to it; bounded)."""
-    for _ in range(MAX_CHANNELS):
+async def _generate_on(server: RunningServer, pid: int, *, within_s: float) -> None:
+    """A Generate over a connection that frontend `pid` serves, once it serves: new connections until the
+    kernel hands one to it while it says SERVING (a new worker listens before its engine is attached)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
         channel = Channel("127.0.0.1", server.port)
         try:
             stub = EngineServiceStub(channel)
@@ -50,13 +50,14 @@ async def _generate_on(server: RunningServer, pid: int) -> None:
                 return
         finally:
             channel.close()
-    raise AssertionError(f"no connection reached frontend {pid} serving")
+        await asyncio.sleep(0.02)  # NOTE: polls another process's start, bounded by the deadline
+    raise AssertionError(f"no connection reached frontend {pid} serving within {within_s} s")
 
 
 async def test_a_killed_worker_is_logged_replaced_and_counted() -> None:
     with start_server("--api-workers", "2", "--metrics-port", "0") as server:
         (worker,) = server.pids_named("engine-api-1")
-        await _generate_on(server, worker)
+        await _generate_on(server, worker, within_s=CALL_TIMEOUT_S)
         before = await asyncio.to_thread(_scrape, server)
         assert before[RESTARTS] == 0
         assert before[GENERATE_OK] >= 1
@@ -68,8 +69,7 @@ async def test_a_killed_worker_is_logged_replaced_and_counted() -> None:
             assert time.monotonic() < deadline, server.log()[-3000:]
             successors = [pid for pid in server.pids_named("engine-api-1") if pid != worker]
             await asyncio.sleep(0.05)
-        async with asyncio.timeout(RESTART_WITHIN_S):
-            await _generate_on(server, successors[0])
+        await _generate_on(server, successors[0], within_s=RESTART_WITHIN_S)
         after = await asyncio.to_thread(_scrape, server)
         log = server.log()
         assert not Path(f"/proc/{worker}").exists()  # collected, not a zombie

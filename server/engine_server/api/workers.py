@@ -137,7 +137,8 @@ class WorkerPool:
         supervisor = self._supervisor
         assert supervisor is not None
         process, index = worker.process, worker.spec.index
-        process.join(0)  # collect it now: a dead worker stayed a zombie
+        # NOTE: collected now (a dead worker stayed a zombie); its sentinel closes a moment before it can be
+        await asyncio.to_thread(process.join, 5.0)
         how = _how_it_ended(process.exitcode)
         if worker.scraper is not None:
             self._retired = merge_families(self._retired, [worker.scraper.last])
