@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from engine_server.api.config import ServerConfig
 from engine_server.api.security.auth import resolve_api_key
-from engine_server.api.security.config import HEALTH_SERVICE, REFLECTION_SERVICES, H2Policy, SecurityConfig
+from engine_server.api.security.config import H2Policy, SecurityConfig
 from engine_server.engine.config import DTYPES, EngineConfig
 
 logger = logging.getLogger("engine_server")
@@ -190,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument(
         "--api-key",
         metavar="KEY",
-        help="require `authorization: Bearer KEY` on every call but health "
-        "(also: --api-key-file, or $ENGINE_API_KEY)",
+        help="require `authorization: Bearer KEY` (or `x-api-key: KEY`) on every call but health and "
+        "reflection (also: --api-key-file, or $ENGINE_API_KEY)",
     )
     sec.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file")
     sec.add_argument("--tls-cert", metavar="PEM", help="server certificate chain (enables TLS)")
@@ -242,13 +242,11 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
     """Raises UsageError (one line) for anything invalid."""
     try:
         api_key = resolve_api_key(api_key=args.api_key, api_key_file=args.api_key_file)
-        exempt = (HEALTH_SERVICE, *REFLECTION_SERVICES)
         security = SecurityConfig(
             tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key,
             tls_client_ca_file=args.tls_client_ca,
             api_key=api_key,
-            auth_exempt_services=exempt,
             max_receive_message_size=args.max_receive_message_size,
             keepalive_time_s=args.keepalive_time,
             keepalive_timeout_s=args.keepalive_timeout,

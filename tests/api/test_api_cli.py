@@ -32,6 +32,8 @@ def test_help_exits_zero_and_lists_the_flags() -> None:
         "--kv-cache-memory",
     ):
         assert flag in result.stdout
+    # What the key guards, as api/security/config.py's AUTH_EXEMPT_SERVICES has it (and docs/deploy.md)
+    assert "every call but health and reflection" in " ".join(result.stdout.split())
 
 
 @pytest.mark.parametrize(

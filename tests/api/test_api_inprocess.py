@@ -17,6 +17,7 @@ from engine_proto.engine.v1 import generate_pb2, info_pb2
 from engine_server.api.config import ServerConfig
 from engine_server.api.handle import EngineHandle
 from engine_server.api.health import LIVENESS_SERVICE
+from engine_server.api.security import SecurityConfig
 from engine_server.api.server import EngineServer
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.types import EngineOverloaded
@@ -240,6 +241,27 @@ async def _list_services(channel: Channel) -> list[str]:
         response = await call.recv_message()
         assert response is not None
         return [service.name for service in response.list_services_response.service]
+
+
+async def test_with_an_api_key_health_and_reflection_need_none() -> None:
+    # What --help and docs/deploy.md say: the key guards every call but health and reflection.
+    key = "k" * 32
+    engine = FakeEngine()
+    server = await _started(replace(CONFIG, security=SecurityConfig(api_key=key)), engine)
+    await server.start()
+    h = Harness(server, engine)
+    try:
+        assert await h.health_status() == HealthCheckResponse.SERVING
+        assert "engine.v1.EngineService" in await _list_services(h.channel)
+        with pytest.raises(GRPCError) as caught:
+            await h.stub.GetLoad(info_pb2.GetLoadRequest(), timeout=CALL_TIMEOUT_S)
+        assert caught.value.status == Status.UNAUTHENTICATED
+        load = await h.stub.GetLoad(info_pb2.GetLoadRequest(), metadata={"x-api-key": key},
+                                    timeout=CALL_TIMEOUT_S)
+        assert load.state == info_pb2.ENGINE_STATE_SERVING
+    finally:
+        h.channel.close()
+        await server.close()
 
 
 @pytest.mark.parametrize("enabled", [True, False])

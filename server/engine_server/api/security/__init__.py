@@ -8,7 +8,7 @@ Interface (what the server assembly calls; everything is keyword-only after the 
         tls_cert_file=..., tls_key_file=..., tls_client_ca_file=None,   # str paths or None
         tls_reload_interval_s=60.0,            # the started server reloads a rotated cert/key pair
         api_key=None,                          # str or None (no auth); see auth.resolve_api_key()
-        auth_exempt_services=(HEALTH_SERVICE,), # + REFLECTION_SERVICES to let grpcurl list without a key
+        auth_exempt_services=AUTH_EXEMPT_SERVICES,  # health and reflection answer without the key
         max_receive_message_size=4 << 20,      # bytes
         request_receive_timeout_s=60.0,        # single-message calls must send it within this time
         keepalive_time_s=60.0, keepalive_timeout_s=20.0,
@@ -27,7 +27,7 @@ Building blocks (usable on their own):
     tls.CertificateWatcher(ctx, *, cert_file, key_file): .check() -> bool, `await .run(interval_s=60.0)`
         Reloads a rotated certificate/key pair into the live context (new handshakes); a pair that does not
         load is skipped and retried. build_server's GuardedServer runs one when started with TLS.
-    auth.install_api_key_check(server, api_key, *, exempt_services=(HEALTH_SERVICE,), log_limit=None)
+    auth.install_api_key_check(server, api_key, *, exempt_services=AUTH_EXEMPT_SERVICES, log_limit=None)
         Every call must carry `authorization: Bearer <key>` or `x-api-key: <key>`, compared in constant time;
         otherwise UNAUTHENTICATED (logged at INFO, one line per 10 s and a count). api_key=None installs
         nothing.
@@ -55,11 +55,18 @@ from grpclib._typing import IServable
 
 from engine_server.api.security.auth import install_api_key_check, resolve_api_key
 from engine_server.api.security.budget import GuardStats
-from engine_server.api.security.config import HEALTH_SERVICE, REFLECTION_SERVICES, H2Policy, SecurityConfig
+from engine_server.api.security.config import (
+    AUTH_EXEMPT_SERVICES,
+    HEALTH_SERVICE,
+    REFLECTION_SERVICES,
+    H2Policy,
+    SecurityConfig,
+)
 from engine_server.api.security.guarded_server import GuardedServer
 from engine_server.api.security.limits import install_message_size_limit
 
 __all__ = [
+    "AUTH_EXEMPT_SERVICES",
     "HEALTH_SERVICE",
     "REFLECTION_SERVICES",
     "GuardStats",

@@ -21,7 +21,7 @@ from grpclib.exceptions import GRPCError
 from grpclib.server import Server, Stream
 
 from engine_server.api.rate_limited_log import RateLimitedLog
-from engine_server.api.security.config import HEALTH_SERVICE, validate_api_key
+from engine_server.api.security.config import AUTH_EXEMPT_SERVICES, validate_api_key
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ async def _reject(stream: Stream[Any, Any]) -> None:
 
 
 def install_api_key_check(
-    server: Server, api_key: str | None, *, exempt_services: Collection[str] = (HEALTH_SERVICE,),
+    server: Server, api_key: str | None, *, exempt_services: Collection[str] = AUTH_EXEMPT_SERVICES,
     log_limit: RateLimitedLog | None = None,
 ) -> ApiKeyCheck | None:
     """Require the key on every call except to `exempt_services`; None installs nothing. `log_limit`: the

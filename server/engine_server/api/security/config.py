@@ -13,6 +13,9 @@ from engine_server.api.security.tls import build_server_ssl_context
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 REFLECTION_SERVICES = ("grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection")
+# Callable without the API key: probes (load balancers, Kubernetes, grpc-health-probe) must reach health, and
+# reflection serves only the service descriptors (the public contract), so `grpcurl list/describe` work.
+AUTH_EXEMPT_SERVICES = (HEALTH_SERVICE, *REFLECTION_SERVICES)
 
 _MiB = 1 << 20
 # NOTE: the gRPC length prefix is a uint32, and grpc-core caps it at INT32_MAX.
@@ -84,8 +87,8 @@ class SecurityConfig:
     tls_reload_interval_s: float | None = 60.0
     # None: no authentication. NOTE: repr=False keeps the key out of logs and tracebacks.
     api_key: str | None = field(default=None, repr=False)
-    # Services callable without the key (full names); probes must reach health.
-    auth_exempt_services: tuple[str, ...] = (HEALTH_SERVICE,)
+    # Services callable without the key (full names).
+    auth_exempt_services: tuple[str, ...] = AUTH_EXEMPT_SERVICES
     max_receive_message_size: int = 4 * _MiB
     # A call with a single request message (every engine.v1 RPC) must deliver it within this time after its
     # headers, else DEADLINE_EXCEEDED: a client cannot park handlers by opening calls and never sending.
