@@ -139,3 +139,10 @@ def test_enum_numbers_no_version_names_convert_to_unknown(number: int) -> None:
     assert _convert.engine_state(number) is EngineState.UNSPECIFIED
     response = info_pb2.GetModelInfoResponse(task=cast(info_pb2.ModelTask.ValueType, number))
     assert _convert.model_info(response).task is ModelTask.UNSPECIFIED
+
+
+def test_load_carries_requests_and_completions_apart() -> None:
+    message = info_pb2.Load(num_running_requests=1, num_waiting_requests=2, num_running_completions=8)
+    load = _convert.load(message, info_pb2.ENGINE_STATE_SERVING)
+    assert (load.num_running_requests, load.num_waiting_requests, load.num_running_completions) == (1, 2, 8)
+    assert load.state is EngineState.SERVING

@@ -176,6 +176,7 @@ def load(msg: info_pb2.Load, state: int) -> Load:
         kv_cache_usage=msg.kv_cache_usage,
         num_free_kv_blocks=msg.num_free_kv_blocks,
         num_total_kv_blocks=msg.num_total_kv_blocks,
+        num_running_completions=msg.num_running_completions,
     )
 
 

@@ -221,7 +221,7 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """The engine's current work."""
+    """The engine's current work. Counts are of requests (one with n > 1 counts once)."""
 
     state: EngineState
     num_running_requests: int
@@ -229,6 +229,7 @@ class Load:
     kv_cache_usage: float
     num_free_kv_blocks: int
     num_total_kv_blocks: int
+    num_running_completions: int = 0  # the sequences in the running batch (0 from a server without it)
 
 
 @dataclass(frozen=True, slots=True)
