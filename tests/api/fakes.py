@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.types import EngineDead, EngineStats, FinishReason
 from engine_server.frontend.outputs import CompletionChunk, EngineState, GenerateOutput, GenerateRequest
+from engine_server.frontend.tokenizer_pool import TokenizerPool
 
 VOCAB = 128
 BOS = 0
@@ -31,6 +32,7 @@ class FakeTokenizer:
     """One token per character (code point % VOCAB), BOS = 0."""
 
     has_chat_template = True
+    max_token_bytes = 4  # one token per character
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> FakeEncoding:
         ids = [2 + ord(ch) % (VOCAB - 2) for ch in text]
@@ -42,11 +44,12 @@ class FakeTokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return "".join(chr(96 + t % 26) for t in token_ids if not (skip_special_tokens and t in (BOS, EOS)))
 
-    def apply_chat_template(
-        self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True
-    ) -> list[int]:
+    def encode_ids(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.encode(text, add_special_tokens=add_special_tokens).token_ids
+
+    def render_chat(self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True) -> str:
         text = "".join(f"{role}:{content};" for role, content in messages)
-        return self.encode(text + ("assistant:" if add_generation_prompt else "")).token_ids
+        return text + ("assistant:" if add_generation_prompt else "")
 
 
 class FakeStream:
@@ -139,6 +142,7 @@ class FakeEngine:
             block_size=16,
         )
         self.tokenizer = FakeTokenizer()
+        self.tokenizer_pool = TokenizerPool()
         self.state = EngineState.SERVING
         self.core_pid: int | None = None  # no core process: in this one
         self.gate = asyncio.Event()

@@ -90,13 +90,15 @@ def test_logit_bias_and_stop_conditions() -> None:
     assert converted.include_stop_str_in_output is True
 
 
+def _tokenize(request: tokenize_pb2.TokenizeRequest) -> tuple[list[int], list[tuple[int, int]] | None]:
+    return convert.tokenize_tokenization(request, tokenizer=TOKENIZER, model_info=INFO).run()
+
+
 def test_tokenize_offsets_only_when_asked() -> None:
-    ids, offsets = convert.tokenize_input(tokenize_pb2.TokenizeRequest(text="ab"), tokenizer=TOKENIZER)
+    ids, offsets = _tokenize(tokenize_pb2.TokenizeRequest(text="ab"))
     assert offsets is None
     assert len(ids) == 3
-    _, offsets = convert.tokenize_input(
-        tokenize_pb2.TokenizeRequest(text="ab", return_offsets=True), tokenizer=TOKENIZER
-    )
+    _, offsets = _tokenize(tokenize_pb2.TokenizeRequest(text="ab", return_offsets=True))
     assert offsets == [(0, 0), (0, 1), (1, 2)]
 
 

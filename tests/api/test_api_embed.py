@@ -62,3 +62,30 @@ async def test_embed_validation(embed_stub: EngineServiceStub) -> None:
             await embed_stub.Embed(request, timeout=CALL_TIMEOUT_S)
         assert caught.value.status == Status.INVALID_ARGUMENT
         assert (caught.value.message or "").startswith(field)
+
+
+async def test_embed_is_bounded_in_tokens_before_the_engine_runs_it(embed_stub: EngineServiceStub) -> None:
+    """One Embed of 256 long inputs held an engine for over a minute: a request carries at most
+    MAX_EMBED_TOKENS (16384) tokens in all, and a text longer than the model's length can hold is refused
+    unread (MiniLM: 256 tokens of at most 18 bytes)."""
+    over = embed_pb2.EmbedRequest()
+    for i in range(65):  # 65 x 256 = 16640 tokens
+        ids = [101, *[2000 + (i + k) % 1000 for k in range(254)], 102]
+        over.inputs.add(token_ids=generate_pb2.TokenIds(ids=ids))
+    with pytest.raises(GRPCError) as caught:
+        await embed_stub.Embed(over, timeout=CALL_TIMEOUT_S)
+    assert caught.value.status == Status.INVALID_ARGUMENT
+    assert caught.value.message == "inputs: 16640 tokens in all; at most 16384 per request"
+    texts = embed_pb2.EmbedRequest()
+    texts.inputs.add(text="a short one")
+    texts.inputs.add(text="word " * 2000)  # 10,000 bytes > 256 x 18
+    with pytest.raises(GRPCError) as caught:
+        await embed_stub.Embed(texts, timeout=CALL_TIMEOUT_S)
+    assert caught.value.status == Status.INVALID_ARGUMENT
+    message = caught.value.message or ""
+    assert message.startswith("inputs[1].text: 10000 bytes of text cannot fit in 256 tokens"), message
+    within = embed_pb2.EmbedRequest()
+    within.inputs.add(text="word " * 600)  # fits the byte bound: tokenized (on the pool), then too long
+    with pytest.raises(GRPCError) as caught:
+        await embed_stub.Embed(within, timeout=CALL_TIMEOUT_S)
+    assert caught.value.message == "inputs[0]: has 602 tokens; the context length is 256"

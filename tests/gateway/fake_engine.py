@@ -32,6 +32,7 @@ from engine_server.frontend.outputs import (
     GenerateRequest,
     OutputSink,
 )
+from engine_server.frontend.tokenizer_pool import TokenizerPool
 
 FAIL_TOKEN = 7
 MAX_MODEL_LEN = 512
@@ -51,9 +52,14 @@ class _Request:
 
 
 class FakeTokenizer:
+    max_token_bytes = 4  # one token per character
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> Any:
+        return SimpleNamespace(token_ids=self.encode_ids(text, add_special_tokens=add_special_tokens))
+
+    def encode_ids(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = [ord(c) % 500 + 10 for c in text]
-        return SimpleNamespace(token_ids=[1, *ids] if add_special_tokens else ids)
+        return [1, *ids] if add_special_tokens else ids
 
 
 class FakeOutputs:
@@ -131,6 +137,7 @@ class FakeEngine:
             block_size=BLOCK_SIZE,
         )
         self.tokenizer = FakeTokenizer()
+        self.tokenizer_pool = TokenizerPool()
         self.state = EngineState.SERVING
         self.delay = delay
         self.push = push

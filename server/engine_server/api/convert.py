@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from engine_server.api.text_input import Tokenization, check_text_fits, nested_string_sizes, string_field_size
 from engine_server.engine.types import (
     RequestError,
     SamplingParams,
@@ -31,6 +32,9 @@ MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_EMBED_INPUTS = 256
+# NOTE: one Embed runs as one engine command, which holds the core (256 inputs of 2048 tokens held one for
+# 80 s). 16384 tokens is 64 inputs of MiniLM's 256: ~3 s on two CPU cores, a fraction of a second on a GPU.
+MAX_EMBED_TOKENS = 16384
 MAX_ABORT_IDS = 1024
 
 # SamplingParams validates its own ranges with the engine's names; these are their proto paths.
@@ -64,37 +68,72 @@ def check_token_ids(ids: Sequence[int], *, field: str, vocab_size: int) -> None:
                            f"{ids[position]} is outside the vocabulary (size {vocab_size})")
 
 
-def chat_prompt(chat: generate_pb2.ChatMessages, tokenizer: TokenizerHandle, *, field: str) -> list[int]:
-    messages = chat.messages
-    if not messages:
+def chat_tokenization(chat: generate_pb2.ChatMessages, tokenizer: TokenizerHandle, *, field: str,
+                      max_tokens: int) -> Tokenization[list[int]]:
+    """Render with the chat template, bound the rendering as a text, tokenize it without special tokens.
+
+    NOTE: the conversation is read in `run()` (off the loop for a long one); only the rendering can be bounded
+    (a template may leave text out: reasoning of earlier turns, say), so it is read and rendered first.
+    """
+    if not chat.messages:
         raise RequestError(f"{field}.messages", "at least one message is required")
-    turns = []
-    for i, message in enumerate(messages):
-        if not message.role:
-            raise RequestError(f"{field}.messages[{i}].role", "is required")
-        turns.append((message.role, message.content))
-    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    try:
-        return tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
-    except RequestError as exc:
-        raise RequestError(f"{field}.messages", str(exc).removeprefix(f"{exc.field_name}: ")) from None
+
+    def run() -> list[int]:
+        turns = []
+        for i, message in enumerate(chat.messages):
+            if not message.role:
+                raise RequestError(f"{field}.messages[{i}].role", "is required")
+            turns.append((message.role, message.content))
+        add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        try:
+            rendered = tokenizer.render_chat(turns, add_generation_prompt=add_generation_prompt)
+        except RequestError as exc:
+            raise RequestError(f"{field}.messages", str(exc).removeprefix(f"{exc.field_name}: ")) from None
+        size = len(rendered) if rendered.isascii() else len(rendered.encode())
+        check_text_fits(size, field=field, max_tokens=max_tokens, max_token_bytes=tokenizer.max_token_bytes)
+        return tokenizer.encode_ids(rendered, add_special_tokens=False)
+
+    return Tokenization(run, len(chat.SerializeToString()))
 
 
-def _prompt_ids(msg: generate_pb2.GenerateRequest, tokenizer: TokenizerHandle, vocab_size: int) -> list[int]:
+def _check_generation_model(model_info: ModelInfo) -> None:
+    if model_info.task != "generate":
+        raise RequestError("model", "the served model is an embedding model; use Embed")
+
+
+def prompt_tokenization(
+    msg: generate_pb2.GenerateRequest, *, tokenizer: TokenizerHandle, model_info: ModelInfo
+) -> Tokenization[list[int]] | None:
+    """A text or chat prompt's tokenization (None for token ids: `to_generate_request` takes them as they
+    are). Text that cannot fit in the context is refused here, from its size, before it is read."""
+    kind = msg.WhichOneof("input")
+    if kind == "token_ids":
+        return None
+    _check_generation_model(model_info)
+    max_len = model_info.max_model_len
+    if kind == "text":
+        size = string_field_size(msg, "text")
+        check_text_fits(size, field="text", max_tokens=max_len, max_token_bytes=tokenizer.max_token_bytes)
+        add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
+        return Tokenization(lambda: tokenizer.encode_ids(msg.text, add_special_tokens=add_special), size)
+    if kind == "chat":
+        return chat_tokenization(msg.chat, tokenizer, field="chat", max_tokens=max_len)
+    raise RequestError("input", "exactly one of token_ids, text or chat must be set")
+
+
+def _prompt_ids(msg: generate_pb2.GenerateRequest, tokenizer: TokenizerHandle, model_info: ModelInfo,
+                prompt: list[int] | None) -> list[int]:
     kind = msg.WhichOneof("input")
     if kind == "token_ids":
         ids = msg.token_ids.ids[:]  # (a list; upb's slice is ~1 us faster than list() for 100 ids)
-        check_token_ids(ids, field="token_ids.ids", vocab_size=vocab_size)
+        check_token_ids(ids, field="token_ids.ids", vocab_size=model_info.vocab_size)
         field = "token_ids.ids"
-    elif kind == "text":
-        add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
-        ids = tokenizer.encode(msg.text, add_special_tokens=add_special).token_ids
-        field = "text"
-    elif kind == "chat":
-        ids = chat_prompt(msg.chat, tokenizer, field="chat")
-        field = "chat"
+    elif prompt is not None:
+        ids, field = prompt, kind or "input"
     else:
-        raise RequestError("input", "exactly one of token_ids, text or chat must be set")
+        tokenization = prompt_tokenization(msg, tokenizer=tokenizer, model_info=model_info)
+        assert tokenization is not None  # (None only for token ids)
+        ids, field = tokenization.run(), kind or "input"
     if not ids:
         raise RequestError(field, "the prompt must have at least one token")
     return ids
@@ -185,19 +224,22 @@ def _stop_strings(stopping: Sequence[tuple[Any, Any]]) -> tuple[str, ...]:
 
 
 def to_generate_request(
-    msg: generate_pb2.GenerateRequest, *, tokenizer: TokenizerHandle, model_info: ModelInfo
+    msg: generate_pb2.GenerateRequest, *, tokenizer: TokenizerHandle, model_info: ModelInfo,
+    prompt: list[int] | None = None,
 ) -> GenerateRequest:
-    """Validate a GenerateRequest and build the engine's request (assigning an id when none was sent)."""
+    """Validate a GenerateRequest and build the engine's request (assigning an id when none was sent).
+
+    `prompt`: a text or chat prompt's token ids from its `prompt_tokenization` (run off the event loop);
+    without them such a prompt is tokenized here.
+    """
     request_id = msg.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise RequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
-    if model_info.task != "generate":
-        raise RequestError("model", "the served model is an embedding model; use Embed")
-    vocab_size = model_info.vocab_size
+    _check_generation_model(model_info)
     stopping = msg.stopping.ListFields()
-    params = _sampling_params(msg, stopping, vocab_size=vocab_size)
+    params = _sampling_params(msg, stopping, vocab_size=model_info.vocab_size)
     stops = _stop_strings(stopping)
-    prompt = _prompt_ids(msg, tokenizer, vocab_size)
+    prompt = _prompt_ids(msg, tokenizer, model_info, prompt)
     max_len = model_info.max_model_len
     if len(prompt) >= max_len:
         raise RequestError(msg.WhichOneof("input") or "input",
@@ -247,44 +289,79 @@ def abort_ids(msg: generate_pb2.AbortRequest) -> list[str]:
     return ids
 
 
-def embed_inputs(
+def embed_tokenization(
     msg: embed_pb2.EmbedRequest, *, tokenizer: TokenizerHandle, model_info: ModelInfo
-) -> list[list[int]]:
+) -> Tokenization[list[list[int]]]:
+    """The batch's token ids, one list per input. Text that cannot fit in the model's length is refused here,
+    from its size, before it is read; `run()` refuses an input without tokens or over the length, and a batch
+    of more than MAX_EMBED_TOKENS tokens in all."""
     if model_info.task != "embed":
         raise RequestError("model", "the served model is a generation model; Embed needs an embedding model")
     if not 1 <= len(msg.inputs) <= MAX_EMBED_INPUTS:
         raise RequestError("inputs", f"must hold 1 to {MAX_EMBED_INPUTS} inputs, got {len(msg.inputs)}")
     add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
-    batch = []
+    max_len, max_token_bytes = model_info.max_model_len, tokenizer.max_token_bytes
+    text_sizes = nested_string_sizes(msg, "inputs", "text")
+    inputs: list[int | list[int]] = []  # a text input's index in msg.inputs, or an input's token ids
     for i, item in enumerate(msg.inputs):
         kind = item.WhichOneof("input")
         if kind == "text":
-            ids = tokenizer.encode(item.text, add_special_tokens=add_special).token_ids
+            check_text_fits(text_sizes[i], field=f"inputs[{i}].text", max_tokens=max_len,
+                            max_token_bytes=max_token_bytes)
+            inputs.append(i)
         elif kind == "token_ids":
             ids = list(item.token_ids.ids)
             check_token_ids(ids, field=f"inputs[{i}].token_ids.ids", vocab_size=model_info.vocab_size)
+            inputs.append(ids)
         else:
             raise RequestError(f"inputs[{i}]", "exactly one of text or token_ids must be set")
-        if not ids:
-            raise RequestError(f"inputs[{i}]", "must have at least one token")
-        if len(ids) > model_info.max_model_len:
-            raise RequestError(f"inputs[{i}]", f"has {len(ids)} tokens; the context length is "
-                                               f"{model_info.max_model_len}")
-        batch.append(ids)
-    return batch
+
+    def run() -> list[list[int]]:
+        batch = []
+        for i, item in enumerate(inputs):
+            if isinstance(item, int):
+                ids = tokenizer.encode_ids(msg.inputs[item].text, add_special_tokens=add_special)
+            else:
+                ids = item
+            if not ids:
+                raise RequestError(f"inputs[{i}]", "must have at least one token")
+            if len(ids) > max_len:
+                raise RequestError(f"inputs[{i}]",
+                                   f"has {len(ids)} tokens; the context length is {max_len}")
+            batch.append(ids)
+        num_tokens = sum(map(len, batch))
+        if num_tokens > MAX_EMBED_TOKENS:
+            raise RequestError("inputs",
+                               f"{num_tokens} tokens in all; at most {MAX_EMBED_TOKENS} per request")
+        return batch
+
+    return Tokenization(run, sum(text_sizes))
 
 
-def tokenize_input(
-    msg: tokenize_pb2.TokenizeRequest, *, tokenizer: TokenizerHandle
-) -> tuple[list[int], list[tuple[int, int]] | None]:
-    """Token ids and, when asked for text input, code-point offsets."""
+def tokenize_tokenization(
+    msg: tokenize_pb2.TokenizeRequest, *, tokenizer: TokenizerHandle, model_info: ModelInfo
+) -> Tokenization[tuple[list[int], list[tuple[int, int]] | None]]:
+    """Token ids and, when asked for text input, code-point offsets. Bounded as Generate's prompt is: text
+    (or a rendered conversation) that cannot fit in the model's context is refused before it is tokenized."""
     kind = msg.WhichOneof("input")
+    max_len = model_info.max_model_len
     if kind == "text":
+        size = string_field_size(msg, "text")
+        check_text_fits(size, field="text", max_tokens=max_len, max_token_bytes=tokenizer.max_token_bytes)
         add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
-        encoding = tokenizer.encode(msg.text, add_special_tokens=add_special)
-        return encoding.token_ids, (encoding.offsets if msg.return_offsets else None)
+        if not msg.return_offsets:
+            return Tokenization(
+                lambda: (tokenizer.encode_ids(msg.text, add_special_tokens=add_special), None), size
+            )
+
+        def with_offsets() -> tuple[list[int], list[tuple[int, int]] | None]:
+            encoding = tokenizer.encode(msg.text, add_special_tokens=add_special)
+            return encoding.token_ids, encoding.offsets
+
+        return Tokenization(with_offsets, size)
     if kind == "chat":
-        return chat_prompt(msg.chat, tokenizer, field="chat"), None
+        chat = chat_tokenization(msg.chat, tokenizer, field="chat", max_tokens=max_len)
+        return Tokenization(lambda: (chat.run(), None), chat.size)
     raise RequestError("input", "exactly one of text or chat must be set")
 
 

@@ -6,7 +6,7 @@ NOTE: typed structurally so the servicer depends on behaviour, not on the fronte
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from engine_server.engine.model_info import ModelInfo
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
         PlainSink,
     )
 
+_T = TypeVar("_T")
+
 
 class Encoding(Protocol):
     @property
@@ -28,13 +30,27 @@ class Encoding(Protocol):
 
 
 class TokenizerHandle(Protocol):
+    """The frontend's tokenizer; every call may run on a worker thread (TokenizerPoolHandle)."""
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes of (UTF-8) text one token stands for: a text of more than N times this many bytes
+        has more than N tokens."""
     def encode(self, text: str, *, add_special_tokens: bool = True) -> Encoding: ...
+    def encode_ids(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
     @property
     def has_chat_template(self) -> bool: ...
-    def apply_chat_template(
-        self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True
-    ) -> list[int]: ...
+    def render_chat(self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """The conversation as text (RequestError when the model has none or its template refuses it)."""
+
+
+class TokenizerPoolHandle(Protocol):
+    """Where tokenizer work runs: inline when its input is short, else on a bounded pool of threads."""
+
+    def runs_inline(self, size: int) -> bool: ...
+    async def run(self, job: Callable[[], _T], *, size: int) -> _T:
+        """`job()`'s result; raises what it raises, or EngineOverloaded when the pool is full."""
 
 
 class OutputStream(Protocol):
@@ -58,6 +74,8 @@ class EngineHandle(Protocol):
     def model_info(self) -> ModelInfo: ...
     @property
     def tokenizer(self) -> TokenizerHandle: ...
+    @property
+    def tokenizer_pool(self) -> TokenizerPoolHandle: ...
     @property
     def state(self) -> EngineState: ...
     def add_state_listener(self, listener: Callable[[EngineState], None]) -> None:

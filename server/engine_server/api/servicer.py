@@ -124,15 +124,31 @@ class EngineServicer(EngineServiceBase):
         self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse]
     ) -> None:
         msg, engine = await self._receive(stream, rpc="Generate")
-        request, outputs, slot = self._admit(msg, engine)
+        prompt = None if msg.HasField("token_ids") else await self._tokenized_prompt(msg, engine)
+        request, outputs, slot = self._admit(msg, engine, prompt)
         self._in_flight.enter()
         streamed = StreamedGenerate(stream, outputs, request, slot, self._metrics) if msg.stream else None
         await self._serve_admitted(stream, request, outputs, slot, streamed)
 
-    def _admit(
+    async def _tokenized_prompt(
         self, msg: generate_pb2.GenerateRequest, engine: EngineHandle
+    ) -> list[int] | None:
+        """A text or chat prompt's token ids, tokenized on the engine's tokenizer pool (inline when short);
+        text that cannot fit in the context is refused before that."""
+        try:
+            tokenization = convert.prompt_tokenization(msg, tokenizer=engine.tokenizer,
+                                                       model_info=engine.model_info)
+            if tokenization is None:
+                return None
+            return await engine.tokenizer_pool.run(tokenization.run, size=tokenization.size)
+        except Exception as exc:
+            raise to_grpc_error(exc, rpc="Generate", request_id=msg.request_id) from None
+
+    def _admit(
+        self, msg: generate_pb2.GenerateRequest, engine: EngineHandle, prompt: list[int] | None
     ) -> tuple[GenerateRequest, OutputStream, StreamSlot]:
-        """The request converted and in the engine, and its place under the stream limit; else the status."""
+        """The request converted and in the engine, and its place under the stream limit; else the status.
+        `prompt`: the ids of a text or chat prompt, tokenized already (`_tokenized_prompt`)."""
         request_id = msg.request_id
         stream_limit = self._stream_limit
         try:
@@ -143,7 +159,7 @@ class EngineServicer(EngineServiceBase):
             raise to_grpc_error(exc, rpc="Generate", request_id=request_id) from None
         try:
             request = convert.to_generate_request(
-                msg, tokenizer=engine.tokenizer, model_info=engine.model_info
+                msg, tokenizer=engine.tokenizer, model_info=engine.model_info, prompt=prompt
             )
             request_id = request.request_id
             outputs = engine.generate(request)
@@ -200,12 +216,20 @@ class EngineServicer(EngineServiceBase):
             return False
         if not msg.stream:
             return False
+        try:
+            tokenization = convert.prompt_tokenization(msg, tokenizer=engine.tokenizer,
+                                                       model_info=engine.model_info)
+        except Exception:
+            return False
+        if tokenization is not None and not engine.tokenizer_pool.runs_inline(tokenization.size):
+            return False  # a long text is tokenized on the pool, which the call awaits on a task
         slot = StreamSlot.try_take(self._stream_limit)
         if slot is None:
             return False
         try:
             request = convert.to_generate_request(
-                msg, tokenizer=engine.tokenizer, model_info=engine.model_info
+                msg, tokenizer=engine.tokenizer, model_info=engine.model_info,
+                prompt=tokenization.run() if tokenization is not None else None,
             )
             outputs = engine.generate(request)
         except Exception:
@@ -272,7 +296,9 @@ class EngineServicer(EngineServiceBase):
     async def Embed(self, stream: Stream[embed_pb2.EmbedRequest, embed_pb2.EmbedResponse]) -> None:
         msg, engine = await self._receive(stream, rpc="Embed")
         try:
-            batch = convert.embed_inputs(msg, tokenizer=engine.tokenizer, model_info=engine.model_info)
+            tokenization = convert.embed_tokenization(msg, tokenizer=engine.tokenizer,
+                                                      model_info=engine.model_info)
+            batch = await engine.tokenizer_pool.run(tokenization.run, size=tokenization.size)
             normalize = msg.normalize if msg.HasField("normalize") else True
             vectors = await engine.embed(batch, normalize=normalize)
         except Exception as exc:
@@ -288,7 +314,10 @@ class EngineServicer(EngineServiceBase):
     ) -> None:
         msg, engine = await self._receive(stream, rpc="Tokenize")
         try:
-            token_ids, offsets = convert.tokenize_input(msg, tokenizer=engine.tokenizer)
+            tokenization = convert.tokenize_tokenization(msg, tokenizer=engine.tokenizer,
+                                                         model_info=engine.model_info)
+            token_ids, offsets = await engine.tokenizer_pool.run(tokenization.run,
+                                                                 size=tokenization.size)
         except Exception as exc:
             raise to_grpc_error(exc, rpc="Tokenize") from None
         response = tokenize_pb2.TokenizeResponse()
@@ -304,7 +333,11 @@ class EngineServicer(EngineServiceBase):
         msg, engine = await self._receive(stream, rpc="Detokenize")
         try:
             ids, skip_special = convert.detokenize_ids(msg, vocab_size=engine.model_info.vocab_size)
-            text = engine.tokenizer.decode(ids, skip_special_tokens=skip_special)
+            tokenizer = engine.tokenizer
+            # NOTE: a token is a few bytes of text: the ids' count stands for the text's size
+            text = await engine.tokenizer_pool.run(
+                lambda: tokenizer.decode(ids, skip_special_tokens=skip_special), size=len(ids)
+            )
         except Exception as exc:
             raise to_grpc_error(exc, rpc="Detokenize") from None
         await stream.send_message(tokenize_pb2.DetokenizeResponse(text=text))

@@ -39,6 +39,7 @@ from engine_server.frontend.outputs import EngineState, GenerateRequest
 from engine_server.frontend.request_state import RequestState
 from engine_server.frontend.stream import RequestStream
 from engine_server.frontend.tokenizer import Tokenizer, TokenizerLoadError
+from engine_server.frontend.tokenizer_pool import TokenizerPool
 
 if TYPE_CHECKING:
     from engine_server.engine.config import EngineConfig
@@ -67,6 +68,7 @@ class AsyncEngine:
     ) -> None:
         self.model_info = model_info
         self.tokenizer = tokenizer
+        self.tokenizer_pool = TokenizerPool()  # the API layer's long texts are tokenized there
         self._state = EngineState.SERVING
         self._state_listeners: list[Callable[[EngineState], None]] = []
         self._client = client
@@ -265,6 +267,7 @@ class AsyncEngine:
             except TimeoutError:
                 await self.abort(list(self._requests))
         self._is_closing = True
+        self.tokenizer_pool.shutdown()
         await self._client.close(timeout=max(timeout, 5.0))
         await self._reader_task
         if self.state is not EngineState.FAILED:

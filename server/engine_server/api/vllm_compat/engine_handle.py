@@ -9,6 +9,7 @@ from engine_server.engine.types import EngineStats
 from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest, OutputSink
 
 if TYPE_CHECKING:
+    from engine_server.api.handle import TokenizerPoolHandle
     from engine_server.engine.model_info import ModelInfo
 
 
@@ -37,7 +38,12 @@ class EncodingLike(Protocol):
 
 
 class TokenizerLike(Protocol):
+    @property
+    def max_token_bytes(self) -> int: ...  # no token stands for more bytes of text
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> EncodingLike: ...
+
+    def encode_ids(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
 
 class EngineHandle(Protocol):
@@ -46,6 +52,9 @@ class EngineHandle(Protocol):
 
     @property
     def tokenizer(self) -> TokenizerLike: ...
+
+    @property
+    def tokenizer_pool(self) -> TokenizerPoolHandle: ...
 
     @property
     def state(self) -> EngineState: ...

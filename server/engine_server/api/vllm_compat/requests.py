@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from engine_server.api.text_input import Tokenization, check_text_fits, string_field_size
 from engine_server.engine.types import (
     RequestError,
     SamplingParams,
@@ -92,13 +93,33 @@ def sampling_params_from_proto(params: Any) -> SamplingParams:
     )
 
 
-def prompt_ids_from_proto(request: Any, *, tokenizer: TokenizerLike, max_model_len: int) -> tuple[int, ...]:
-    """The prompt: the gateway's `tokenized.input_ids` (or `text`, tokenized here), truncated if asked."""
+def text_tokenization(
+    request: Any, *, tokenizer: TokenizerLike, max_model_len: int
+) -> Tokenization[list[int]] | None:
+    """A `text` prompt's tokenization (None for the gateway's token ids). Text that cannot fit in the context
+    is refused before it is tokenized, unless the request truncates its prompt (then any text can fit)."""
+    if request.WhichOneof("input") != "text":
+        return None
+    size = string_field_size(request, "text")
+    if not request.sampling_params.HasField("truncate_prompt_tokens"):
+        check_text_fits(size, field="text", max_tokens=max_model_len,
+                        max_token_bytes=tokenizer.max_token_bytes)
+    return Tokenization(lambda: tokenizer.encode_ids(request.text, add_special_tokens=True), size)
+
+
+def prompt_ids_from_proto(request: Any, *, tokenizer: TokenizerLike, max_model_len: int,
+                          text_ids: list[int] | None = None) -> tuple[int, ...]:
+    """The prompt: the gateway's `tokenized.input_ids` (or `text`, tokenized here unless `text_ids` are its
+    ids already), truncated if asked."""
     which = request.WhichOneof("input")
     if which == "tokenized":
         ids = tuple(request.tokenized.input_ids)
     elif which == "text":
-        ids = tuple(tokenizer.encode(request.text, add_special_tokens=True).token_ids)
+        if text_ids is None:
+            tokenization = text_tokenization(request, tokenizer=tokenizer, max_model_len=max_model_len)
+            assert tokenization is not None  # (text input)
+            text_ids = tokenization.run()
+        ids = tuple(text_ids)
     else:
         raise RequestError("input", "one of tokenized or text is required")
     if not ids:
@@ -126,14 +147,16 @@ def reject_unsupported_inputs(request: Any) -> None:
 
 
 def generate_request_from_proto(
-    request: Any, *, tokenizer: TokenizerLike, max_model_len: int
+    request: Any, *, tokenizer: TokenizerLike, max_model_len: int, text_ids: list[int] | None = None
 ) -> GenerateRequest:
+    """`text_ids`: a text prompt's ids from its `text_tokenization` (run off the event loop)."""
     reject_unsupported_inputs(request)
     params = request.sampling_params
     stop = tuple(params.stop)
     return GenerateRequest(
         request_id=engine_request_id(request.request_id or uuid.uuid4().hex),
-        prompt_token_ids=prompt_ids_from_proto(request, tokenizer=tokenizer, max_model_len=max_model_len),
+        prompt_token_ids=prompt_ids_from_proto(request, tokenizer=tokenizer, max_model_len=max_model_len,
+                                               text_ids=text_ids),
         params=sampling_params_from_proto(params),
         stop=stop,
         include_stop_str_in_output=params.include_stop_str_in_output,

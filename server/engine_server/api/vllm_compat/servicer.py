@@ -35,7 +35,7 @@ from engine_server.frontend.outputs import EngineState
 from .engine_handle import EngineHandle
 from .errors import grpc_status
 from .output_writer import OutputWriter
-from .requests import engine_request_id, generate_request_from_proto
+from .requests import engine_request_id, generate_request_from_proto, text_tokenization
 from .responses import EngineRequestFailed, ResponseBuilder
 from .service import RpcStream, VllmEngineBase
 from .tokenizer_bundle import TokenizerBundle, build_tokenizer_bundle
@@ -160,16 +160,29 @@ class VllmEngineServicer(VllmEngineBase):
         # NOTE: the slot is taken before the request is looked at (an overloaded server refuses cheaply) and
         # given back only once the engine stream (aclosing below) is closed.
         with grpc_status("Generate", request.request_id), self._stream_slot() as slot:
-            call = self._admit(stream, request, engine, slot)
+            text_ids = await self._tokenized_text(request, engine)
+            call = self._admit(stream, request, engine, slot, text_ids)
             # NOTE: aclosing: a cancelled handler (RST_STREAM) or a failed send aborts the engine request.
             async with aclosing(call.outputs):
                 await call.run()
 
+    @staticmethod
+    async def _tokenized_text(request: pb.GenerateRequest, engine: EngineHandle) -> list[int] | None:
+        """A text prompt's ids, tokenized on the engine's tokenizer pool (inline when short); None: token
+        ids."""
+        tokenization = text_tokenization(request, tokenizer=engine.tokenizer,
+                                         max_model_len=engine.model_info.max_model_len)
+        if tokenization is None:
+            return None
+        return await engine.tokenizer_pool.run(tokenization.run, size=tokenization.size)
+
     def _admit(self, stream: RpcStream, request: pb.GenerateRequest, engine: EngineHandle,
-               slot: StreamSlot | None) -> _GenerateCall:
-        """The request converted and in the engine, its writer ready; raises what the engine raises."""
+               slot: StreamSlot | None, text_ids: list[int] | None) -> _GenerateCall:
+        """The request converted and in the engine, its writer ready; raises what the engine raises.
+        `text_ids`: a text prompt's ids, tokenized already (`_tokenized_text`)."""
         generate_request = generate_request_from_proto(
-            request, tokenizer=engine.tokenizer, max_model_len=engine.model_info.max_model_len
+            request, tokenizer=engine.tokenizer, max_model_len=engine.model_info.max_model_len,
+            text_ids=text_ids,
         )
         params = generate_request.params
         builder = ResponseBuilder(
@@ -205,13 +218,21 @@ class VllmEngineServicer(VllmEngineBase):
             return False
         if not request.stream or request.sampling_params.WhichOneof("constraint") is not None:
             return False  # (a constraint: its headers wait for its compile; see `_GenerateCall.run`)
+        try:
+            tokenization = text_tokenization(request, tokenizer=engine.tokenizer,
+                                             max_model_len=engine.model_info.max_model_len)
+        except Exception:
+            return False
+        if tokenization is not None and not engine.tokenizer_pool.runs_inline(tokenization.size):
+            return False  # a long text is tokenized on the pool, which the call awaits on a task
         slot = None
         if self._stream_limit is not None:
             slot = StreamSlot.try_take(self._stream_limit)
             if slot is None:
                 return False
         try:
-            call = self._admit(stream, request, engine, slot)
+            call = self._admit(stream, request, engine, slot,
+                               tokenization.run() if tokenization is not None else None)
         except Exception:
             if slot is not None:
                 slot.release()

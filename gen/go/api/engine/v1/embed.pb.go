@@ -24,7 +24,9 @@ const (
 // EmbedRequest asks for one vector per input.
 type EmbedRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The inputs, 1 to 256 of them. Each MUST have exactly one of text or token_ids set.
+	// The inputs, 1 to 256 of them, with at most 16384 tokens in all (counted after tokenizing, special tokens
+	// included): more is INVALID_ARGUMENT (an Embed runs as one engine call, which holds the model meanwhile).
+	// Each MUST have exactly one of text or token_ids set.
 	Inputs []*EmbedInput `protobuf:"bytes,1,rep,name=inputs,proto3" json:"inputs,omitempty"`
 	// Scale each vector to unit L2 norm. Default: true.
 	Normalize *bool `protobuf:"varint,2,opt,name=normalize,proto3,oneof" json:"normalize,omitempty"`
@@ -159,7 +161,8 @@ type isEmbedInput_Input interface {
 }
 
 type EmbedInput_Text struct {
-	// Plain text, tokenized by the server.
+	// Plain text, tokenized by the server. Bounded as GenerateRequest.text is, by the embedding model's
+	// max_context_length: a longer text is INVALID_ARGUMENT (naming inputs[i].text) before it is tokenized.
 	Text string `protobuf:"bytes,1,opt,name=text,proto3,oneof"`
 }
 

@@ -5,7 +5,8 @@
 //                       wrong one was sent.
 //   UNAVAILABLE         the server is starting, draining for shutdown, or its engine has failed. Safe to retry
 //                       on another replica for every RPC except a Generate that already streamed output.
-//   RESOURCE_EXHAUSTED  too many concurrent requests or a message over the size limit. Retry later.
+//   RESOURCE_EXHAUSTED  too many concurrent requests, a message over the size limit, or too many long texts
+//                       waiting to be tokenized (text input of Generate, Embed and Tokenize). Retry later.
 //   INVALID_ARGUMENT    besides each RPC's own cases: the request message's bytes do not parse as the RPC's
 //                       request type, the call's stream ended inside the message, the message sets two members
 //                       of one oneof (protobuf would keep the last one unseen), or the grpc-timeout header is

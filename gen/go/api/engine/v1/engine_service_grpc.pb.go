@@ -5,7 +5,8 @@
 //                       wrong one was sent.
 //   UNAVAILABLE         the server is starting, draining for shutdown, or its engine has failed. Safe to retry
 //                       on another replica for every RPC except a Generate that already streamed output.
-//   RESOURCE_EXHAUSTED  too many concurrent requests or a message over the size limit. Retry later.
+//   RESOURCE_EXHAUSTED  too many concurrent requests, a message over the size limit, or too many long texts
+//                       waiting to be tokenized (text input of Generate, Embed and Tokenize). Retry later.
 //   INVALID_ARGUMENT    besides each RPC's own cases: the request message's bytes do not parse as the RPC's
 //                       request type, the call's stream ended inside the message, the message sets two members
 //                       of one oneof (protobuf would keep the last one unseen), or the grpc-timeout header is
@@ -60,16 +61,19 @@ type EngineServiceClient interface {
 	// Errors:
 	//
 	//	INVALID_ARGUMENT  a field is out of range or inconsistent (the message names the field), a token id is
-	//	                  outside the vocabulary, the prompt plus max_tokens exceeds the context length, the
+	//	                  outside the vocabulary, the prompt plus max_tokens exceeds the context length, text (or
+	//	                  a rendered conversation) that cannot fit in the context (GenerateRequest.text), the
 	//	                  request_id is already in flight, or the model cannot generate (an embedding model).
 	//	DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
 	Generate(ctx context.Context, in *GenerateRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[GenerateResponse], error)
 	// Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
 	// without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
-	// the vocabulary, an input longer than the context length, or a model that is not an embedding model.
+	// the vocabulary, an input longer than the context length (a text that cannot fit is refused before it is
+	// tokenized), more than 16384 tokens in all, or a model that is not an embedding model.
 	Embed(ctx context.Context, in *EmbedRequest, opts ...grpc.CallOption) (*EmbedResponse, error)
 	// Tokenize turns text (or chat messages, through the model's chat template) into token ids.
-	// Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template.
+	// Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template, or for text (or a
+	// rendered conversation) that could not fit in the model's context (TokenizeRequest).
 	Tokenize(ctx context.Context, in *TokenizeRequest, opts ...grpc.CallOption) (*TokenizeResponse, error)
 	// Detokenize turns token ids into text. Errors: INVALID_ARGUMENT for a token id outside the vocabulary.
 	Detokenize(ctx context.Context, in *DetokenizeRequest, opts ...grpc.CallOption) (*DetokenizeResponse, error)
@@ -197,16 +201,19 @@ type EngineServiceServer interface {
 	// Errors:
 	//
 	//	INVALID_ARGUMENT  a field is out of range or inconsistent (the message names the field), a token id is
-	//	                  outside the vocabulary, the prompt plus max_tokens exceeds the context length, the
+	//	                  outside the vocabulary, the prompt plus max_tokens exceeds the context length, text (or
+	//	                  a rendered conversation) that cannot fit in the context (GenerateRequest.text), the
 	//	                  request_id is already in flight, or the model cannot generate (an embedding model).
 	//	DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
 	Generate(*GenerateRequest, grpc.ServerStreamingServer[GenerateResponse]) error
 	// Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
 	// without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
-	// the vocabulary, an input longer than the context length, or a model that is not an embedding model.
+	// the vocabulary, an input longer than the context length (a text that cannot fit is refused before it is
+	// tokenized), more than 16384 tokens in all, or a model that is not an embedding model.
 	Embed(context.Context, *EmbedRequest) (*EmbedResponse, error)
 	// Tokenize turns text (or chat messages, through the model's chat template) into token ids.
-	// Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template.
+	// Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template, or for text (or a
+	// rendered conversation) that could not fit in the model's context (TokenizeRequest).
 	Tokenize(context.Context, *TokenizeRequest) (*TokenizeResponse, error)
 	// Detokenize turns token ids into text. Errors: INVALID_ARGUMENT for a token id outside the vocabulary.
 	Detokenize(context.Context, *DetokenizeRequest) (*DetokenizeResponse, error)

@@ -241,12 +241,17 @@ type GenerateRequest_TokenIds struct {
 }
 
 type GenerateRequest_Text struct {
-	// Plain text, tokenized by the server (see add_special_tokens).
+	// Plain text, tokenized by the server (see add_special_tokens). Text that cannot fit in the context is
+	// INVALID_ARGUMENT before it is tokenized: more than max_context_length x L bytes of UTF-8, where L is the
+	// most bytes of text that one token of the model's vocabulary stands for (its longest vocabulary entry,
+	// taken when the model loads; the error message states the bound). A tokenizer that drops text (WordPiece
+	// drops whitespace) could fold a longer text into fewer tokens: the bound applies to it all the same.
 	Text string `protobuf:"bytes,3,opt,name=text,proto3,oneof"`
 }
 
 type GenerateRequest_Chat struct {
-	// Chat messages, rendered with the model's chat template, then tokenized.
+	// Chat messages, rendered with the model's chat template, then tokenized. The rendered text is bounded as
+	// `text` is (INVALID_ARGUMENT naming `chat`, before it is tokenized).
 	Chat *ChatMessages `protobuf:"bytes,4,opt,name=chat,proto3,oneof"`
 }
 

@@ -21,7 +21,10 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
-// TokenizeRequest asks for the token ids of a text or a conversation.
+// TokenizeRequest asks for the token ids of a text or a conversation. Its text is bounded as a Generate prompt
+// is (GenerateRequest.text): more than max_context_length x L bytes, which could never fit in the model's
+// context, is INVALID_ARGUMENT before it is tokenized. A token stands for at least one byte, so a response
+// holds at most that many tokens (plus the special tokens); the server's message size limit bounds the request.
 type TokenizeRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// What to tokenize. Exactly one MUST be set.
@@ -113,12 +116,13 @@ type isTokenizeRequest_Input interface {
 }
 
 type TokenizeRequest_Text struct {
-	// Plain text.
+	// Plain text, bounded as above.
 	Text string `protobuf:"bytes,1,opt,name=text,proto3,oneof"`
 }
 
 type TokenizeRequest_Chat struct {
-	// Chat messages, rendered with the model's chat template first (as Generate does).
+	// Chat messages, rendered with the model's chat template first (as Generate does); the rendered text is
+	// bounded as `text` is.
 	Chat *ChatMessages `protobuf:"bytes,2,opt,name=chat,proto3,oneof"`
 }
 

@@ -34,7 +34,10 @@ class EmbedRequest(_message.Message):
     """For text inputs: add the tokenizer's special tokens (such as [CLS] and [SEP]). Default: true."""
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbedInput]:
-        """The inputs, 1 to 256 of them. Each MUST have exactly one of text or token_ids set."""
+        """The inputs, 1 to 256 of them, with at most 16384 tokens in all (counted after tokenizing, special tokens
+        included): more is INVALID_ARGUMENT (an Embed runs as one engine call, which holds the model meanwhile).
+        Each MUST have exactly one of text or token_ids set.
+        """
 
     def __init__(
         self,
@@ -67,7 +70,9 @@ class EmbedInput(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
-    """Plain text, tokenized by the server."""
+    """Plain text, tokenized by the server. Bounded as GenerateRequest.text is, by the embedding model's
+    max_context_length: a longer text is INVALID_ARGUMENT (naming inputs[i].text) before it is tokenized.
+    """
     @_builtins.property
     def token_ids(self) -> _generate_pb2.TokenIds:
         """Token ids, used as they are."""

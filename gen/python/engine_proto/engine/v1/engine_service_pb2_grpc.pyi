@@ -8,7 +8,8 @@ Status codes shared by every RPC of EngineService (an RPC's own comment lists th
                       wrong one was sent.
   UNAVAILABLE         the server is starting, draining for shutdown, or its engine has failed. Safe to retry
                       on another replica for every RPC except a Generate that already streamed output.
-  RESOURCE_EXHAUSTED  too many concurrent requests or a message over the size limit. Retry later.
+  RESOURCE_EXHAUSTED  too many concurrent requests, a message over the size limit, or too many long texts
+                      waiting to be tokenized (text input of Generate, Embed and Tokenize). Retry later.
   INVALID_ARGUMENT    besides each RPC's own cases: the request message's bytes do not parse as the RPC's
                       request type, the call's stream ended inside the message, the message sets two members
                       of one oneof (protobuf would keep the last one unseen), or the grpc-timeout header is
@@ -60,18 +61,21 @@ class EngineServiceStub:
     they were aborted (finish reason ABORT). Cancelling the call or passing its deadline aborts the request.
     Errors:
       INVALID_ARGUMENT  a field is out of range or inconsistent (the message names the field), a token id is
-                        outside the vocabulary, the prompt plus max_tokens exceeds the context length, the
+                        outside the vocabulary, the prompt plus max_tokens exceeds the context length, text (or
+                        a rendered conversation) that cannot fit in the context (GenerateRequest.text), the
                         request_id is already in flight, or the model cannot generate (an embedding model).
       DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
     """
     Embed: _grpc.UnaryUnaryMultiCallable[_embed_pb2.EmbedRequest, _embed_pb2.EmbedResponse]
     """Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
     without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
-    the vocabulary, an input longer than the context length, or a model that is not an embedding model.
+    the vocabulary, an input longer than the context length (a text that cannot fit is refused before it is
+    tokenized), more than 16384 tokens in all, or a model that is not an embedding model.
     """
     Tokenize: _grpc.UnaryUnaryMultiCallable[_tokenize_pb2.TokenizeRequest, _tokenize_pb2.TokenizeResponse]
     """Tokenize turns text (or chat messages, through the model's chat template) into token ids.
-    Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template.
+    Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template, or for text (or a
+    rendered conversation) that could not fit in the model's context (TokenizeRequest).
     """
     Detokenize: _grpc.UnaryUnaryMultiCallable[_tokenize_pb2.DetokenizeRequest, _tokenize_pb2.DetokenizeResponse]
     """Detokenize turns token ids into text. Errors: INVALID_ARGUMENT for a token id outside the vocabulary."""
@@ -103,18 +107,21 @@ class EngineServiceAsyncStub(EngineServiceStub):
     they were aborted (finish reason ABORT). Cancelling the call or passing its deadline aborts the request.
     Errors:
       INVALID_ARGUMENT  a field is out of range or inconsistent (the message names the field), a token id is
-                        outside the vocabulary, the prompt plus max_tokens exceeds the context length, the
+                        outside the vocabulary, the prompt plus max_tokens exceeds the context length, text (or
+                        a rendered conversation) that cannot fit in the context (GenerateRequest.text), the
                         request_id is already in flight, or the model cannot generate (an embedding model).
       DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
     """
     Embed: _aio.UnaryUnaryMultiCallable[_embed_pb2.EmbedRequest, _embed_pb2.EmbedResponse]  # type: ignore[assignment]
     """Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
     without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
-    the vocabulary, an input longer than the context length, or a model that is not an embedding model.
+    the vocabulary, an input longer than the context length (a text that cannot fit is refused before it is
+    tokenized), more than 16384 tokens in all, or a model that is not an embedding model.
     """
     Tokenize: _aio.UnaryUnaryMultiCallable[_tokenize_pb2.TokenizeRequest, _tokenize_pb2.TokenizeResponse]  # type: ignore[assignment]
     """Tokenize turns text (or chat messages, through the model's chat template) into token ids.
-    Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template.
+    Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template, or for text (or a
+    rendered conversation) that could not fit in the model's context (TokenizeRequest).
     """
     Detokenize: _aio.UnaryUnaryMultiCallable[_tokenize_pb2.DetokenizeRequest, _tokenize_pb2.DetokenizeResponse]  # type: ignore[assignment]
     """Detokenize turns token ids into text. Errors: INVALID_ARGUMENT for a token id outside the vocabulary."""
@@ -149,7 +156,8 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         they were aborted (finish reason ABORT). Cancelling the call or passing its deadline aborts the request.
         Errors:
           INVALID_ARGUMENT  a field is out of range or inconsistent (the message names the field), a token id is
-                            outside the vocabulary, the prompt plus max_tokens exceeds the context length, the
+                            outside the vocabulary, the prompt plus max_tokens exceeds the context length, text (or
+                            a rendered conversation) that cannot fit in the context (GenerateRequest.text), the
                             request_id is already in flight, or the model cannot generate (an embedding model).
           DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
         """
@@ -162,7 +170,8 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_embed_pb2.EmbedResponse, _abc.Awaitable[_embed_pb2.EmbedResponse]]:
         """Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
         without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
-        the vocabulary, an input longer than the context length, or a model that is not an embedding model.
+        the vocabulary, an input longer than the context length (a text that cannot fit is refused before it is
+        tokenized), more than 16384 tokens in all, or a model that is not an embedding model.
         """
 
     @_abc_1.abstractmethod
@@ -172,7 +181,8 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_tokenize_pb2.TokenizeResponse, _abc.Awaitable[_tokenize_pb2.TokenizeResponse]]:
         """Tokenize turns text (or chat messages, through the model's chat template) into token ids.
-        Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template.
+        Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template, or for text (or a
+        rendered conversation) that could not fit in the model's context (TokenizeRequest).
         """
 
     @_abc_1.abstractmethod

@@ -77,7 +77,12 @@ class GenerateRequest(_message.Message):
     At most 128 characters. A duplicate of an in-flight id is INVALID_ARGUMENT.
     """
     text: _builtins.str
-    """Plain text, tokenized by the server (see add_special_tokens)."""
+    """Plain text, tokenized by the server (see add_special_tokens). Text that cannot fit in the context is
+    INVALID_ARGUMENT before it is tokenized: more than max_context_length x L bytes of UTF-8, where L is the
+    most bytes of text that one token of the model's vocabulary stands for (its longest vocabulary entry,
+    taken when the model loads; the error message states the bound). A tokenizer that drops text (WordPiece
+    drops whitespace) could fold a longer text into fewer tokens: the bound applies to it all the same.
+    """
     stream: _builtins.bool
     """True: stream tokens as they are generated. False: one response message with the whole result."""
     add_special_tokens: _builtins.bool
@@ -88,7 +93,9 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def chat(self) -> Global___ChatMessages:
-        """Chat messages, rendered with the model's chat template, then tokenized."""
+        """Chat messages, rendered with the model's chat template, then tokenized. The rendered text is bounded as
+        `text` is (INVALID_ARGUMENT naming `chat`, before it is tokenized).
+        """
 
     @_builtins.property
     def sampling(self) -> Global___SamplingParams:

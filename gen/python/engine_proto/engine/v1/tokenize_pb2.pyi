@@ -21,7 +21,11 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
 class TokenizeRequest(_message.Message):
-    """TokenizeRequest asks for the token ids of a text or a conversation."""
+    """TokenizeRequest asks for the token ids of a text or a conversation. Its text is bounded as a Generate prompt
+    is (GenerateRequest.text): more than max_context_length x L bytes, which could never fit in the model's
+    context, is INVALID_ARGUMENT before it is tokenized. A token stands for at least one byte, so a response
+    holds at most that many tokens (plus the special tokens); the server's message size limit bounds the request.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -30,14 +34,16 @@ class TokenizeRequest(_message.Message):
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     RETURN_OFFSETS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
-    """Plain text."""
+    """Plain text, bounded as above."""
     add_special_tokens: _builtins.bool
     """For text input: add the tokenizer's special tokens (such as BOS). Default: true."""
     return_offsets: _builtins.bool
     """Also return each token's character span in the text (text input only). Default: false."""
     @_builtins.property
     def chat(self) -> _generate_pb2.ChatMessages:
-        """Chat messages, rendered with the model's chat template first (as Generate does)."""
+        """Chat messages, rendered with the model's chat template first (as Generate does); the rendered text is
+        bounded as `text` is.
+        """
 
     def __init__(
         self,

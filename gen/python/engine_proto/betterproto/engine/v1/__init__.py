@@ -436,7 +436,8 @@ class EmbedInput(betterproto2.Message):
 
     text: "str | None" = betterproto2.field(1, betterproto2.TYPE_STRING, optional=True, group="input")
     """
-    Plain text, tokenized by the server.
+    Plain text, tokenized by the server. Bounded as GenerateRequest.text is, by the embedding model's
+    max_context_length: a longer text is INVALID_ARGUMENT (naming inputs[i].text) before it is tokenized.
     """
 
     token_ids: "TokenIds | None" = betterproto2.field(
@@ -458,7 +459,9 @@ class EmbedRequest(betterproto2.Message):
 
     inputs: "list[EmbedInput]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
     """
-    The inputs, 1 to 256 of them. Each MUST have exactly one of text or token_ids set.
+    The inputs, 1 to 256 of them, with at most 16384 tokens in all (counted after tokenizing, special tokens
+    included): more is INVALID_ARGUMENT (an Embed runs as one engine call, which holds the model meanwhile).
+    Each MUST have exactly one of text or token_ids set.
     """
 
     normalize: "bool | None" = betterproto2.field(2, betterproto2.TYPE_BOOL, optional=True)
@@ -520,14 +523,19 @@ class GenerateRequest(betterproto2.Message):
 
     text: "str | None" = betterproto2.field(3, betterproto2.TYPE_STRING, optional=True, group="input")
     """
-    Plain text, tokenized by the server (see add_special_tokens).
+    Plain text, tokenized by the server (see add_special_tokens). Text that cannot fit in the context is
+    INVALID_ARGUMENT before it is tokenized: more than max_context_length x L bytes of UTF-8, where L is the
+    most bytes of text that one token of the model's vocabulary stands for (its longest vocabulary entry,
+    taken when the model loads; the error message states the bound). A tokenizer that drops text (WordPiece
+    drops whitespace) could fold a longer text into fewer tokens: the bound applies to it all the same.
     """
 
     chat: "ChatMessages | None" = betterproto2.field(
         4, betterproto2.TYPE_MESSAGE, optional=True, group="input"
     )
     """
-    Chat messages, rendered with the model's chat template, then tokenized.
+    Chat messages, rendered with the model's chat template, then tokenized. The rendered text is bounded as
+    `text` is (INVALID_ARGUMENT naming `chat`, before it is tokenized).
     """
 
     sampling: "SamplingParams | None" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, optional=True)
@@ -1189,7 +1197,10 @@ default_message_pool.register_message("engine.v1", "TokenIds", TokenIds)
 @dataclass(eq=False, repr=False)
 class TokenizeRequest(betterproto2.Message):
     """
-    TokenizeRequest asks for the token ids of a text or a conversation.
+    TokenizeRequest asks for the token ids of a text or a conversation. Its text is bounded as a Generate prompt
+    is (GenerateRequest.text): more than max_context_length x L bytes, which could never fit in the model's
+    context, is INVALID_ARGUMENT before it is tokenized. A token stands for at least one byte, so a response
+    holds at most that many tokens (plus the special tokens); the server's message size limit bounds the request.
 
     Oneofs:
         - input: What to tokenize. Exactly one MUST be set.
@@ -1197,14 +1208,15 @@ class TokenizeRequest(betterproto2.Message):
 
     text: "str | None" = betterproto2.field(1, betterproto2.TYPE_STRING, optional=True, group="input")
     """
-    Plain text.
+    Plain text, bounded as above.
     """
 
     chat: "ChatMessages | None" = betterproto2.field(
         2, betterproto2.TYPE_MESSAGE, optional=True, group="input"
     )
     """
-    Chat messages, rendered with the model's chat template first (as Generate does).
+    Chat messages, rendered with the model's chat template first (as Generate does); the rendered text is
+    bounded as `text` is.
     """
 
     add_special_tokens: "bool | None" = betterproto2.field(3, betterproto2.TYPE_BOOL, optional=True)
@@ -1334,7 +1346,8 @@ class EngineServiceSyncStub:
         they were aborted (finish reason ABORT). Cancelling the call or passing its deadline aborts the request.
         Errors:
           INVALID_ARGUMENT  a field is out of range or inconsistent (the message names the field), a token id is
-                            outside the vocabulary, the prompt plus max_tokens exceeds the context length, the
+                            outside the vocabulary, the prompt plus max_tokens exceeds the context length, text (or
+                            a rendered conversation) that cannot fit in the context (GenerateRequest.text), the
                             request_id is already in flight, or the model cannot generate (an embedding model).
           DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
         """
@@ -1349,7 +1362,8 @@ class EngineServiceSyncStub:
         """
         Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
         without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
-        the vocabulary, an input longer than the context length, or a model that is not an embedding model.
+        the vocabulary, an input longer than the context length (a text that cannot fit is refused before it is
+        tokenized), more than 16384 tokens in all, or a model that is not an embedding model.
         """
 
         return self._channel.unary_unary(
@@ -1361,7 +1375,8 @@ class EngineServiceSyncStub:
     def tokenize(self, message: "TokenizeRequest") -> "TokenizeResponse":
         """
         Tokenize turns text (or chat messages, through the model's chat template) into token ids.
-        Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template.
+        Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template, or for text (or a
+        rendered conversation) that could not fit in the model's context (TokenizeRequest).
         """
 
         return self._channel.unary_unary(
@@ -1459,7 +1474,8 @@ class EngineServiceStub(betterproto2_grpclib.ServiceStub):
         they were aborted (finish reason ABORT). Cancelling the call or passing its deadline aborts the request.
         Errors:
           INVALID_ARGUMENT  a field is out of range or inconsistent (the message names the field), a token id is
-                            outside the vocabulary, the prompt plus max_tokens exceeds the context length, the
+                            outside the vocabulary, the prompt plus max_tokens exceeds the context length, text (or
+                            a rendered conversation) that cannot fit in the context (GenerateRequest.text), the
                             request_id is already in flight, or the model cannot generate (an embedding model).
           DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
         """
@@ -1485,7 +1501,8 @@ class EngineServiceStub(betterproto2_grpclib.ServiceStub):
         """
         Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
         without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
-        the vocabulary, an input longer than the context length, or a model that is not an embedding model.
+        the vocabulary, an input longer than the context length (a text that cannot fit is refused before it is
+        tokenized), more than 16384 tokens in all, or a model that is not an embedding model.
         """
 
         return await self._unary_unary(
@@ -1507,7 +1524,8 @@ class EngineServiceStub(betterproto2_grpclib.ServiceStub):
     ) -> "TokenizeResponse":
         """
         Tokenize turns text (or chat messages, through the model's chat template) into token ids.
-        Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template.
+        Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template, or for text (or a
+        rendered conversation) that could not fit in the model's context (TokenizeRequest).
         """
 
         return await self._unary_unary(
@@ -1651,7 +1669,8 @@ class EngineServiceBase(betterproto2_grpclib.ServiceBase):
         they were aborted (finish reason ABORT). Cancelling the call or passing its deadline aborts the request.
         Errors:
           INVALID_ARGUMENT  a field is out of range or inconsistent (the message names the field), a token id is
-                            outside the vocabulary, the prompt plus max_tokens exceeds the context length, the
+                            outside the vocabulary, the prompt plus max_tokens exceeds the context length, text (or
+                            a rendered conversation) that cannot fit in the context (GenerateRequest.text), the
                             request_id is already in flight, or the model cannot generate (an embedding model).
           DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
         """
@@ -1663,7 +1682,8 @@ class EngineServiceBase(betterproto2_grpclib.ServiceBase):
         """
         Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
         without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
-        the vocabulary, an input longer than the context length, or a model that is not an embedding model.
+        the vocabulary, an input longer than the context length (a text that cannot fit is refused before it is
+        tokenized), more than 16384 tokens in all, or a model that is not an embedding model.
         """
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
@@ -1671,7 +1691,8 @@ class EngineServiceBase(betterproto2_grpclib.ServiceBase):
     async def tokenize(self, message: "TokenizeRequest") -> "TokenizeResponse":
         """
         Tokenize turns text (or chat messages, through the model's chat template) into token ids.
-        Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template.
+        Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template, or for text (or a
+        rendered conversation) that could not fit in the model's context (TokenizeRequest).
         """
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)

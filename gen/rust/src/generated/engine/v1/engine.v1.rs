@@ -42,10 +42,15 @@ pub mod generate_request {
         /// Token ids, used as they are (no special tokens are added). The fast path: no tokenization on the server.
         #[prost(message, tag="2")]
         TokenIds(super::TokenIds),
-        /// Plain text, tokenized by the server (see add_special_tokens).
+        /// Plain text, tokenized by the server (see add_special_tokens). Text that cannot fit in the context is
+        /// INVALID_ARGUMENT before it is tokenized: more than max_context_length x L bytes of UTF-8, where L is the
+        /// most bytes of text that one token of the model's vocabulary stands for (its longest vocabulary entry,
+        /// taken when the model loads; the error message states the bound). A tokenizer that drops text (WordPiece
+        /// drops whitespace) could fold a longer text into fewer tokens: the bound applies to it all the same.
         #[prost(string, tag="3")]
         Text(::prost::alloc::string::String),
-        /// Chat messages, rendered with the model's chat template, then tokenized.
+        /// Chat messages, rendered with the model's chat template, then tokenized. The rendered text is bounded as
+        /// `text` is (INVALID_ARGUMENT naming `chat`, before it is tokenized).
         #[prost(message, tag="4")]
         Chat(super::ChatMessages),
     }
@@ -415,7 +420,9 @@ impl FinishReason {
 /// EmbedRequest asks for one vector per input.
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct EmbedRequest {
-    /// The inputs, 1 to 256 of them. Each MUST have exactly one of text or token_ids set.
+    /// The inputs, 1 to 256 of them, with at most 16384 tokens in all (counted after tokenizing, special tokens
+    /// included): more is INVALID_ARGUMENT (an Embed runs as one engine call, which holds the model meanwhile).
+    /// Each MUST have exactly one of text or token_ids set.
     #[prost(message, repeated, tag="1")]
     pub inputs: ::prost::alloc::vec::Vec<EmbedInput>,
     /// Scale each vector to unit L2 norm. Default: true.
@@ -437,7 +444,8 @@ pub mod embed_input {
     /// The input. Exactly one MUST be set.
     #[derive(Clone, PartialEq, Eq, Hash, ::prost::Oneof)]
     pub enum Input {
-        /// Plain text, tokenized by the server.
+        /// Plain text, tokenized by the server. Bounded as GenerateRequest.text is, by the embedding model's
+        /// max_context_length: a longer text is INVALID_ARGUMENT (naming inputs\[i\].text) before it is tokenized.
         #[prost(string, tag="1")]
         Text(::prost::alloc::string::String),
         /// Token ids, used as they are.
@@ -688,7 +696,10 @@ impl EngineState {
         }
     }
 }
-/// TokenizeRequest asks for the token ids of a text or a conversation.
+/// TokenizeRequest asks for the token ids of a text or a conversation. Its text is bounded as a Generate prompt
+/// is (GenerateRequest.text): more than max_context_length x L bytes, which could never fit in the model's
+/// context, is INVALID_ARGUMENT before it is tokenized. A token stands for at least one byte, so a response
+/// holds at most that many tokens (plus the special tokens); the server's message size limit bounds the request.
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct TokenizeRequest {
     /// For text input: add the tokenizer's special tokens (such as BOS). Default: true.
@@ -706,10 +717,11 @@ pub mod tokenize_request {
     /// What to tokenize. Exactly one MUST be set.
     #[derive(Clone, PartialEq, ::prost::Oneof)]
     pub enum Input {
-        /// Plain text.
+        /// Plain text, bounded as above.
         #[prost(string, tag="1")]
         Text(::prost::alloc::string::String),
-        /// Chat messages, rendered with the model's chat template first (as Generate does).
+        /// Chat messages, rendered with the model's chat template first (as Generate does); the rendered text is
+        /// bounded as `text` is.
         #[prost(message, tag="2")]
         Chat(super::ChatMessages),
     }

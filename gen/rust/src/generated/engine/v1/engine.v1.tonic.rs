@@ -99,7 +99,8 @@ pub mod engine_service_client {
  they were aborted (finish reason ABORT). Cancelling the call or passing its deadline aborts the request.
  Errors:
    INVALID_ARGUMENT  a field is out of range or inconsistent (the message names the field), a token id is
-                     outside the vocabulary, the prompt plus max_tokens exceeds the context length, the
+                     outside the vocabulary, the prompt plus max_tokens exceeds the context length, text (or
+                     a rendered conversation) that cannot fit in the context (GenerateRequest.text), the
                      request_id is already in flight, or the model cannot generate (an embedding model).
    DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
 */
@@ -129,7 +130,8 @@ pub mod engine_service_client {
         }
         /** Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
  without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
- the vocabulary, an input longer than the context length, or a model that is not an embedding model.
+ the vocabulary, an input longer than the context length (a text that cannot fit is refused before it is
+ tokenized), more than 16384 tokens in all, or a model that is not an embedding model.
 */
         pub async fn embed(
             &mut self,
@@ -153,7 +155,8 @@ pub mod engine_service_client {
             self.inner.unary(req, path, codec).await
         }
         /** Tokenize turns text (or chat messages, through the model's chat template) into token ids.
- Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template.
+ Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template, or for text (or a
+ rendered conversation) that could not fit in the model's context (TokenizeRequest).
 */
         pub async fn tokenize(
             &mut self,
@@ -337,7 +340,8 @@ pub mod engine_service_server {
  they were aborted (finish reason ABORT). Cancelling the call or passing its deadline aborts the request.
  Errors:
    INVALID_ARGUMENT  a field is out of range or inconsistent (the message names the field), a token id is
-                     outside the vocabulary, the prompt plus max_tokens exceeds the context length, the
+                     outside the vocabulary, the prompt plus max_tokens exceeds the context length, text (or
+                     a rendered conversation) that cannot fit in the context (GenerateRequest.text), the
                      request_id is already in flight, or the model cannot generate (an embedding model).
    DEADLINE_EXCEEDED the client's deadline passed; the request was aborted in the engine.
 */
@@ -347,14 +351,16 @@ pub mod engine_service_server {
         ) -> std::result::Result<tonic::Response<Self::GenerateStream>, tonic::Status>;
         /** Embed turns a batch of inputs into one vector each. Errors: INVALID_ARGUMENT for an empty batch, an input
  without tokens (none set, or text that tokenizes to nothing without the special tokens), a token id outside
- the vocabulary, an input longer than the context length, or a model that is not an embedding model.
+ the vocabulary, an input longer than the context length (a text that cannot fit is refused before it is
+ tokenized), more than 16384 tokens in all, or a model that is not an embedding model.
 */
         async fn embed(
             &self,
             request: tonic::Request<super::EmbedRequest>,
         ) -> std::result::Result<tonic::Response<super::EmbedResponse>, tonic::Status>;
         /** Tokenize turns text (or chat messages, through the model's chat template) into token ids.
- Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template.
+ Errors: INVALID_ARGUMENT when chat messages are sent to a model without a chat template, or for text (or a
+ rendered conversation) that could not fit in the model's context (TokenizeRequest).
 */
         async fn tokenize(
             &self,
