@@ -77,7 +77,20 @@ BENCH_1B = TinyModelSpec(
     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
     initializer_range=0.02, pad_vocab=True, dtype="bfloat16", tie_word_embeddings=True,
 )
-SPECS = {spec.name: spec for spec in (TINY, BENCH_30M, BENCH_1B)}
+# TINY with head_dim 32 (2 heads, 1 KV head; the same parameter count): vLLM's CPU attention supports head
+# sizes >= 32 only, so bench/vllm_peer.py compares the engines on this one. Tests use TINY.
+TINY_HD32 = TinyModelSpec(
+    name="tiny-llama-hd32", vocab_size=1024, hidden_size=64, intermediate_size=192,
+    num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+)
+# SmolLM2-135M's shape (134.5M parameters: 30 layers, hidden 576, 9 heads / 3 KV heads of 64, vocabulary 49152,
+# tied embeddings): a real model's shape that a 2-core CPU still serves, for bench/vllm_peer.py.
+BENCH_135M = TinyModelSpec(
+    name="bench-llama-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_range=0.05,
+    pad_vocab=True, tie_word_embeddings=True,
+)
+SPECS = {spec.name: spec for spec in (TINY, BENCH_30M, BENCH_1B, TINY_HD32, BENCH_135M)}
 
 
 def build_tokenizer(vocab_size: int, out_dir: Path) -> int:
