@@ -80,8 +80,8 @@ class Server:
         ready = workdir / f"{kind}-{engine}.ready"
         ready.unlink(missing_ok=True)  # (a workdir used before: an old file names an old port)
         self.ready = ready
-        if kind.startswith("grpc"):  # "grpc", "grpc-ids" (the same server), or "grpcN": --api-workers N
-            workers = int(kind[4:] or "1") if kind != "grpc-ids" else 1
+        if kind.startswith("grpc"):  # "grpc", "grpc-ids" / "grpc-text" (the same server), "grpcN" (N workers)
+            workers = int(kind[4:] or "1") if kind not in ("grpc-ids", "grpc-text") else 1
             script = Path(py).parent / "engine-server"
             launcher = [str(script)] if script.exists() else [py, "-m", "engine_server"]
             cmd = [*launcher, "--port", "0", "--ready-file", str(ready),
@@ -142,6 +142,8 @@ class Server:
                "--tag", f"c{concurrency}-{time.time_ns()}", "--first-request", str(first)]
         if self.kind == "grpc-ids":
             cmd.append("--ids-only")
+        elif self.kind == "grpc-text":
+            cmd.append("--text-input")
         done = subprocess.run(cmd, env=_env(), cwd=ROOT, preexec_fn=_pinned({args.client_core}),
                               capture_output=True, timeout=1800, check=False)
         if done.returncode != 0:
@@ -310,7 +312,8 @@ def main() -> None:
                    help="sim: simulated engine at --step-ms; simN: at N ms per step; tiny: the real engine")
     p.add_argument("--servers", default="grpc,grpc-ids,sse,inproc",
                    help="grpc = engine-server; grpc-ids = the same, the client asks for token ids only "
-                        "(return_text=false); grpcN = engine-server --api-workers N; sse; inproc")
+                        "(return_text=false); grpc-text = the same, the client sends its prompts as text; "
+                        "grpcN = engine-server --api-workers N; sse; inproc")
     p.add_argument("--concurrency", default=None, help="default 1,16,64,256 (quick: 1,16)")
     p.add_argument("--step-ms", type=float, default=1.0)
     p.add_argument("--prompt", type=int, default=100)

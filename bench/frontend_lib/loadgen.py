@@ -24,7 +24,15 @@ from grpclib.client import Channel, Handler
 from grpclib.protocol import H2Protocol
 
 from frontend_lib.h2_client import H2GrpcConnection
-from frontend_lib.workload import RequestTrace, SendFn, closed_loop, cpu_seconds_self, prompt_ids, summarize
+from frontend_lib.workload import (
+    RequestTrace,
+    SendFn,
+    closed_loop,
+    cpu_seconds_self,
+    prompt_ids,
+    prompt_text,
+    summarize,
+)
 
 REQUEST_TIMEOUT_S = 600.0
 
@@ -40,9 +48,13 @@ class _BatchingChannel(Channel):
         return _BatchingProtocol(Handler(), self._config, self._h2_config)
 
 
-def _request(i: int, *, prompt: int, output: int, tag: str, ids_only: bool) -> generate_pb2.GenerateRequest:
+def _request(i: int, *, prompt: int, output: int, tag: str, ids_only: bool,
+             text_input: bool = False) -> generate_pb2.GenerateRequest:
     request = generate_pb2.GenerateRequest(request_id=f"{tag}-{i}", stream=True)
-    request.token_ids.ids.extend(prompt_ids(i, prompt))
+    if text_input:  # a client that sends text: the server tokenizes it
+        request.text = prompt_text(i, prompt)
+    else:
+        request.token_ids.ids.extend(prompt_ids(i, prompt))
     request.sampling.temperature = 0.0
     request.stopping.max_tokens = output
     request.stopping.ignore_eos = True
@@ -51,11 +63,12 @@ def _request(i: int, *, prompt: int, output: int, tag: str, ids_only: bool) -> g
     return request
 
 
-def grpc_sender(channel: Channel, *, prompt: int, output: int, tag: str, ids_only: bool = False) -> SendFn:
+def grpc_sender(channel: Channel, *, prompt: int, output: int, tag: str, ids_only: bool = False,
+                text_input: bool = False) -> SendFn:
     stub = EngineServiceStub(channel)
 
     async def send(i: int, trace: RequestTrace) -> None:
-        request = _request(i, prompt=prompt, output=output, tag=tag, ids_only=ids_only)
+        request = _request(i, prompt=prompt, output=output, tag=tag, ids_only=ids_only, text_input=text_input)
         arrivals = trace.arrivals
         clock = time.perf_counter
         async with stub.Generate.open(timeout=REQUEST_TIMEOUT_S) as stream:
@@ -67,13 +80,13 @@ def grpc_sender(channel: Channel, *, prompt: int, output: int, tag: str, ids_onl
 
 
 def h2_sender(conn: H2GrpcConnection, *, prompt: int, output: int, tag: str,
-              ids_only: bool = False) -> SendFn:
+              ids_only: bool = False, text_input: bool = False) -> SendFn:
     """The default gRPC client: raw HTTP/2 frames (frontend_lib/h2_client.py) + upb parsing per message."""
     path = "/engine.v1.EngineService/Generate"
     parse = generate_pb2.GenerateResponse.FromString
 
     async def send(i: int, trace: RequestTrace) -> None:
-        request = _request(i, prompt=prompt, output=output, tag=tag, ids_only=ids_only)
+        request = _request(i, prompt=prompt, output=output, tag=tag, ids_only=ids_only, text_input=text_input)
         arrivals = trace.arrivals
         clock = time.perf_counter
 
@@ -141,10 +154,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     if args.kind == "grpc" and args.grpc_client == "grpclib":
         channel = _BatchingChannel(args.host, args.port)
         send = grpc_sender(channel, prompt=args.prompt, output=args.output, tag=args.tag,
-                           ids_only=args.ids_only)
+                           ids_only=args.ids_only, text_input=args.text_input)
     elif args.kind == "grpc":
         conn = await H2GrpcConnection.connect(args.host, args.port)
-        send = h2_sender(conn, prompt=args.prompt, output=args.output, tag=args.tag, ids_only=args.ids_only)
+        send = h2_sender(conn, prompt=args.prompt, output=args.output, tag=args.tag, ids_only=args.ids_only,
+                         text_input=args.text_input)
     else:
         send = sse_sender(args.host, args.port, prompt=args.prompt, output=args.output)
     try:
@@ -181,6 +195,8 @@ def main() -> None:
                    help="number of the first request (its prompt: workload.prompt_ids); later runs go on")
     p.add_argument("--grpc-client", choices=("h2", "grpclib"), default="h2")
     p.add_argument("--ids-only", action="store_true", help="gRPC: ask for token ids only (return_text=false)")
+    p.add_argument("--text-input", action="store_true",
+                   help="gRPC: send each prompt as text (workload.prompt_text), tokenized by the server")
     p.add_argument("--trace-out", default=None, help="write each request's send time and TTFT here")
     args = p.parse_args()
     import uvloop

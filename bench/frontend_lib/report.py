@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 SERVER_LABELS = {"grpc": "engine-server (gRPC)", "grpc-ids": "engine-server (gRPC), token ids only",
+                 "grpc-text": "engine-server (gRPC), text prompts",
                  "grpc2": "engine-server --api-workers 2",
                  "sse": "HTTP/SSE reference", "inproc": "in-process"}
 ENGINE_LABELS = {"sim": "simulated engine", "tiny": "tiny model"}

@@ -27,6 +27,23 @@ def prompt_ids(i: int, length: int) -> list[int]:
     return (head + [16 + (i * 7919 + k * 131) % 1000 for k in range(3, length)])[:length]
 
 
+_WORDS = ("the", "engine", "schedules", "every", "request", "in", "one", "batch", "and", "streams", "its",
+          "tokens", "back", "to", "a", "client", "that", "waits", "for", "them")
+
+
+def prompt_text(i: int, length: int) -> str:
+    """A text prompt of about `length` tokens of the tiny tokenizer (3 x `length` characters of common words),
+    different for every request number `i`: it starts with `i` in digits."""
+    words = [str(i)]
+    size = len(words[0])
+    k = 0
+    while size < 3 * length:
+        words.append(_WORDS[(i * 7 + k * 13) % len(_WORDS)])
+        size += len(words[-1]) + 1
+        k += 1
+    return " ".join(words)[:3 * length]
+
+
 @dataclass(slots=True)
 class RequestTrace:
     """One request: its send time, and (arrival time, tokens) per streamed message."""
