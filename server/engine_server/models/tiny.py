@@ -83,8 +83,8 @@ TINY_HD32 = TinyModelSpec(
     name="tiny-llama-hd32", vocab_size=1024, hidden_size=64, intermediate_size=192,
     num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
 )
-# SmolLM2-135M's shape (134.5M parameters: 30 layers, hidden 576, 9 heads / 3 KV heads of 64, vocabulary 49152,
-# tied embeddings): a real model's shape that a 2-core CPU still serves, for bench/vllm_peer.py.
+# SmolLM2-135M's shape (134.5M parameters: 30 layers, hidden 576, 9 heads / 3 KV heads of 64, vocabulary
+# 49152, tied embeddings): a real model's shape that a 2-core CPU still serves, for bench/vllm_peer.py.
 BENCH_135M = TinyModelSpec(
     name="bench-llama-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,
     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_range=0.05,
