@@ -9,9 +9,10 @@ request whose `ByteSize()` equals its length (every request a protobuf library b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from google.protobuf.descriptor import Descriptor
+from google.protobuf.message import Message
 
 _WIRE_VARINT, _WIRE_FIXED64, _WIRE_LEN, _WIRE_FIXED32 = 0, 1, 2, 5
 
@@ -22,10 +23,11 @@ class _Malformed(Exception):
 
 def oneof_conflict(message: Any, body: bytes) -> str | None:
     """"path: sets both a and b (members of one oneof)" when `body` sets two members of a oneof, else None."""
-    if message.ByteSize() >= len(body):
+    # NOTE: upb messages only (the betterproto flavour, which embedders may serve, keeps no unknown members)
+    if not isinstance(message, Message) or message.ByteSize() >= len(body):
         return None
     try:
-        return _conflict_in(message.DESCRIPTOR, body, "")
+        return _conflict_in(cast(Descriptor, message.DESCRIPTOR), body, "")
     except _Malformed:
         return None
 
