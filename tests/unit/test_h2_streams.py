@@ -35,12 +35,14 @@ RESPONSE = [(":status", "200")]
 
 def _pair(
     *, lazy: bool, limit: int | None = None, client_config: H2Configuration | None = None,
-    server_config: H2Configuration | None = None,
+    server_config: H2Configuration | None = None, max_closed_streams: int | None = None,
 ) -> tuple[H2Connection, H2Connection]:
     """A client and a server connection past the preface and SETTINGS exchange (lazy: the server is ours)."""
     client = H2Connection(client_config or H2Configuration(client_side=True))
     server = H2Connection(server_config or H2Configuration(client_side=False))
-    if lazy:
+    if lazy and max_closed_streams is not None:
+        use_lazy_counting(server, max_closed_streams=max_closed_streams)
+    elif lazy:
         use_lazy_counting(server)
     client.initiate_connection()
     server.initiate_connection()
@@ -115,6 +117,44 @@ def test_closed_streams_are_dropped_far_below_a_high_limit() -> None:
     lazy_log, lazy_sizes = _run(script, lazy=True, limit=10_000)
     assert lazy_log == _run(script, lazy=False, limit=10_000)[0]
     assert max(lazy_sizes) <= 2 * (LIMIT + 1) + 64  # the table is walked once it doubles, not at the limit
+
+
+def _late_trailers_after_calls(num_calls: int, *, max_closed_streams: int) -> bool:
+    """The server resets a stream whose request is still open, serves `num_calls` calls, then receives the
+    request's trailers, which the client sent before it saw the reset: True if that is a stream error
+    (RST_STREAM STREAM_CLOSED, the connection serves on), False if a connection error (the stream is
+    forgotten)."""
+    client, server = _pair(lazy=True, max_closed_streams=max_closed_streams)
+    reset_id = client.get_next_available_stream_id()
+    client.send_headers(reset_id, GRPC_REQUEST)
+    server.receive_data(client.data_to_send())
+    server.reset_stream(reset_id, error_code=ErrorCodes.CANCEL)
+    server.data_to_send()  # (the client does not read the reset before it sends its trailers)
+    for _ in range(num_calls):
+        stream_id = client.get_next_available_stream_id()
+        client.send_headers(stream_id, GRPC_REQUEST, end_stream=True)
+        server.receive_data(client.data_to_send())
+        server.send_headers(stream_id, RESPONSE, end_stream=True)
+        client.receive_data(server.data_to_send())
+    client.send_headers(reset_id, [("x-trailer", "1")], end_stream=True)
+    try:
+        server.receive_data(client.data_to_send())
+    except ProtocolError:
+        return False
+    answer = client.receive_data(server.data_to_send())
+    assert [(e.stream_id, e.error_code) for e in answer if isinstance(e, StreamReset)] == [
+        (reset_id, ErrorCodes.STREAM_CLOSED)]
+    return server.state_machine.state is not ConnectionState.CLOSED
+
+
+def test_closed_streams_are_remembered_up_to_a_bound() -> None:
+    # h2 remembered 2^16 closed streams per connection (~145 bytes each: the frontend's memory grew with every
+    # call on a long-lived connection); ours keeps the last `max_closed_streams`, enough for the frames a
+    # client sends before it reads a reset. NOTE: 200 calls pass several walks of the stream table (closed
+    # streams are remembered once a walk drops them from it).
+    assert _late_trailers_after_calls(200, max_closed_streams=256)
+    assert not _late_trailers_after_calls(200, max_closed_streams=32)
+    assert _late_trailers_after_calls(5, max_closed_streams=32)  # (still in the table)
 
 
 def test_only_plain_connections_are_switched() -> None:

@@ -1,11 +1,21 @@
 """h2's receive path without work whose answer is already known: the open-stream count, and the decoding and
-validation of a header block the connection has seen before; and a stream past the limit refused alone.
+validation of a header block the connection has seen before; a stream past the limit refused alone; and a
+bounded memory of closed streams.
 
 Open streams: h2 counts them (to enforce SETTINGS_MAX_CONCURRENT_STREAMS) by walking its whole stream table on
 every HEADERS that opens a stream, and drops closed streams from the table on the same walk: at 256
 concurrent streams that walk was ~3% of the frontend's CPU. The table's size is an upper bound on the count,
 so the walk is only needed when that bound could reach the limit; it also runs once the table has doubled
 since the last walk, so closed streams are still dropped and the table stays within twice the open streams.
+
+Closed streams: h2 remembers how each stream it dropped from its table was closed (by END_STREAM, by a reset,
+or implicitly), so that a frame arriving on it later is a stream error after a reset and a connection error
+otherwise; it keeps 2^16 of them per connection, in an OrderedDict: ~145 bytes a stream, ~9.5 MB on a
+long-lived connection before the bound is reached. That was the frontend's creep of ~150 bytes a request
+(issue 37, item 4; bench/soak.py). What matters is a frame the client sent before it learnt of a reset, and it
+can only come on a stream that was open then: the connection keeps as many closed streams as its stream limit
+(`max_closed_streams`), as nghttp2 and Kestrel do. HEADERS on a stream forgotten since get h2's answer for a
+stream closed implicitly, a connection error, as RFC 9113 5.1 allows (DATA is a stream error either way).
 
 Streams past the limit: h2 answers a HEADERS frame that would open one stream too many with
 TooManyStreamsError, a connection error (GOAWAY PROTOCOL_ERROR): every other stream of the connection was
@@ -57,7 +67,7 @@ from h2.events import DataReceived, Event, RequestReceived, StreamEnded, StreamR
 from h2.exceptions import ProtocolError, TooManyStreamsError
 from h2.frame_buffer import FrameBuffer
 from h2.stream import H2Stream, StreamState
-from h2.utilities import HeaderValidationFlags
+from h2.utilities import HeaderValidationFlags, SizeLimitDict
 from hpack import Decoder, HeaderTuple
 from hpack.table import HeaderTable
 from hyperframe.flags import Flags
@@ -69,6 +79,7 @@ if TYPE_CHECKING:
 _MIN_SCAN_SIZE = 64
 _MAX_KEPT = 64  # entries per cache (per connection): cleared when full
 _MAX_KEPT_BLOCK = 2048  # bytes: longer blocks (rare, large metadata) are decoded each time
+MAX_CLOSED_STREAMS = 1024  # closed streams remembered per connection: the server's default stream limit
 
 
 class _CountingHeaderTable(HeaderTable):
@@ -409,12 +420,16 @@ class LazyCountingH2Connection(H2Connection):
         return stream
 
 
-def use_lazy_counting(connection: H2Connection) -> None:
+def use_lazy_counting(connection: H2Connection, *, max_closed_streams: int = MAX_CLOSED_STREAMS) -> None:
     """Switch a connection grpclib created (it builds a plain H2Connection), before it has received anything,
-    to the lazy count and the remembered header blocks."""
+    to the lazy count and the remembered header blocks, remembering at most `max_closed_streams` closed
+    streams (h2: 2^16; see the module's docstring)."""
     if type(connection) is not H2Connection:
         return
     connection.__class__ = LazyCountingH2Connection
+    kept = min(max_closed_streams, H2Connection.MAX_CLOSED_STREAMS)
+    closed_streams: Any = connection._closed_streams  # (h2's annotation of SizeLimitDict's argument is off)
+    connection._closed_streams = SizeLimitDict(closed_streams, size_limit=kept)
     decoder = connection.decoder
     if type(decoder) is Decoder and not decoder.header_table.dynamic_entries:
         caching = CachingDecoder()

@@ -181,7 +181,8 @@ class GuardedH2Protocol(H2Protocol):
             transport = self._batching
         self._transport = cast(asyncio.Transport, transport)
         super().connection_made(transport)
-        use_lazy_counting(self._h2)
+        # NOTE: a frame arrives late only on a stream that was open when it closed (h2_streams.py)
+        use_lazy_counting(self._h2, max_closed_streams=self._policy.max_concurrent_streams)
         self.processor = GuardedEventsProcessor(
             self.handler, self.connection, on_release=self._stream_released
         )
