@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import struct
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +86,9 @@ class _SendBooks:
     __slots__ = ("_connection", "loop", "num_bytes", "num_frames")
 
     def __init__(self, connection: Any) -> None:
-        self._connection = connection
+        # NOTE: weak: the connection keeps its books; both strong, a lost connection and all it held were a
+        # reference cycle, which only a full collection frees (issue 37, item 4)
+        self._connection: Callable[[], Any] = weakref.ref(connection)
         self.loop = asyncio.get_running_loop()
         self.num_frames = self.num_bytes = 0
 
@@ -100,7 +103,9 @@ class _SendBooks:
     def commit(self) -> None:
         num_frames, num_bytes = self.num_frames, self.num_bytes
         self.num_frames = self.num_bytes = 0
-        connection = self._connection
+        connection = self._connection()
+        if connection is None:
+            return  # (gone, and its books with it)
         connection.data_sent += num_bytes
         connection.messages_sent += num_frames
         frames_sent = getattr(connection, "data_frames_sent", None)

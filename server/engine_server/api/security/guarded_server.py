@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from collections.abc import Callable, Collection
 from ssl import SSLContext
@@ -55,6 +56,7 @@ class GuardedServer(Server):
         self._is_draining = False
         # NOTE: weak: a closed connection's protocol goes away with its transport, nothing to unregister.
         self._protocols: weakref.WeakSet[GuardedH2Protocol] = weakref.WeakSet()
+        self._lost_handlers: set[asyncio.Task[None]] = set()  # of lost connections, until their calls end
 
     async def start(self, *args: Any, ssl: SSLContext | None = None, **kwargs: Any) -> None:
         await super().start(*args, ssl=ssl, **kwargs)
@@ -92,6 +94,26 @@ class GuardedServer(Server):
         protocol = GuardedH2Protocol(
             handler, self._config, self._h2_config, policy=self.policy, stats=self.guard_stats,
             log_limit=self.log_limit, is_draining=self._is_draining,
+            on_lost=functools.partial(self._connection_lost, handler),
         )
         self._protocols.add(protocol)
         return protocol
+
+    def _connection_lost(self, handler: Handler) -> None:
+        """A connection is gone: its handler leaves the server once its calls have ended.
+
+        NOTE: grpclib drops closed handlers only when every 10th connection is accepted: until then each kept
+        what its connection held (its last finished calls and their streams, h2's books), up to ~0.5 MB, and
+        a soak that reconnected now and then saw it as a leak (issue 37, item 4).
+        """
+        if handler.check_closed():
+            self._handlers.discard(handler)
+            return
+        # (a connection lost with calls in flight: grpclib cancelled them; they end soon)
+        ended = asyncio.get_running_loop().create_task(handler.wait_closed())
+        self._lost_handlers.add(ended)
+        ended.add_done_callback(lambda _: self._forget(ended, handler))
+
+    def _forget(self, ended: asyncio.Task[None], handler: Handler) -> None:
+        self._lost_handlers.discard(ended)
+        self._handlers.discard(handler)

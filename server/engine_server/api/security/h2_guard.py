@@ -72,6 +72,10 @@ _WINDOW_UPDATES_PER_DATA_FRAME = 2
 _CONTROL_EVENTS = (RemoteSettingsChanged, PriorityUpdated, WindowUpdated, UnknownFrameReceived)
 
 
+def _ignore() -> None:
+    pass
+
+
 class GuardedEventsProcessor(EventsProcessor):
     """grpclib's processor, plus release of streams whose handler task was cancelled before it started, and
     RST_STREAM(PROTOCOL_ERROR) instead of a handler for a request without :method or :path.
@@ -86,6 +90,12 @@ class GuardedEventsProcessor(EventsProcessor):
     ) -> None:
         super().__init__(handler, connection)
         self._on_release = on_release
+
+    def close(self, reason: str = "Connection closed") -> None:
+        super().close(reason)
+        # NOTE: as grpclib drops its own references back to this processor here: `on_release` refers to the
+        # protocol, which refers to this processor (releases after the close need no notice)
+        self._on_release = _ignore
 
     def register(self, stream: Stream) -> Callable[[], None]:
         release = super().register(stream)
@@ -142,8 +152,11 @@ class GuardedH2Protocol(H2Protocol):
         stats: GuardStats,
         log_limit: RateLimitedLog | None = None,
         is_draining: bool = False,
+        on_lost: Callable[[], object] | None = None,
     ) -> None:
+        """`on_lost`: called once the connection is lost (after grpclib closed its handler)."""
         super().__init__(handler, config, h2_config)
+        self._on_lost = on_lost
         self._policy = policy
         self._stats = stats
         self._log_limit = log_limit if log_limit is not None else RateLimitedLog()
@@ -183,6 +196,10 @@ class GuardedH2Protocol(H2Protocol):
         super().connection_made(transport)
         # NOTE: a frame arrives late only on a stream that was open when it closed (h2_streams.py)
         use_lazy_counting(self._h2, max_closed_streams=self._policy.max_concurrent_streams)
+        # NOTE: grpclib's processor, made by its connection_made, refers to itself (its table of bound
+        # methods, which grpclib's close drops): replaced as it is, it kept the connection and its handler
+        # alive after the close, until a collection (issue 37, item 4)
+        del self.processor.processors
         self.processor = GuardedEventsProcessor(
             self.handler, self.connection, on_release=self._stream_released
         )
@@ -276,7 +293,15 @@ class GuardedH2Protocol(H2Protocol):
         self._is_closed = True
         if self._idle_timer is not None:
             self._idle_timer.cancel()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # (grpclib's processor and connection drop their cycles here)
+        # NOTE: the send hooks refer to this protocol and its connection: left on the connection, a lost
+        # connection and all it held (h2's books, its last calls) were a reference cycle, which only a full
+        # collection frees: in a serving frontend, hardly ever (gc_policy.py; issue 37, item 4)
+        connection = self.connection
+        for name in ("headers_send_process", "data_send_process", "data_frames_sent"):
+            connection.__dict__.pop(name, None)
+        if self._on_lost is not None:
+            self._on_lost()
 
     def _screen(self, events: list[Event]) -> list[Event] | None:
         """The events grpclib should see, or None when the connection was closed for abuse."""

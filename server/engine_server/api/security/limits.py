@@ -151,7 +151,12 @@ class MessageSizeLimit:
 
             # NOTE: an instance attribute shadows the method; `async for msg in stream` goes through it too.
             stream.recv_message = recv_message  # type: ignore[method-assign]
-            await method_func(stream)
+            try:
+                await method_func(stream)
+            finally:
+                # NOTE: left on the stream, the function (which refers to it) made the call's objects a
+                # reference cycle: freed only by a collection, not when the call ends (issue 37, item 4)
+                del stream.recv_message
 
         return bounded_method
 
