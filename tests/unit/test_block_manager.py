@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from engine_server.engine.block_manager import BlockManager
+import random
+import tracemalloc
+from collections import OrderedDict
+
+import pytest
+from engine_server.engine.block_manager import BlockManager, FreeBlocks
 from engine_server.engine.sequence import Sequence
 from engine_server.engine.types import SamplingParams
 
@@ -113,3 +118,53 @@ def test_share_for_n_siblings_counts_references() -> None:
     assert bm.num_free_blocks == 8 - 2  # the shared blocks are still the child's
     bm.free(child)
     assert bm.num_free_blocks == 8
+
+
+def test_the_free_list_is_lru_ordered_under_random_use() -> None:
+    rng = random.Random(5)
+    free = FreeBlocks(50)
+    reference: OrderedDict[int, None] = OrderedDict.fromkeys(range(50))  # (what the free list was)
+    used: list[int] = []
+    for _ in range(5000):
+        roll = rng.random()
+        if roll < 0.4 and reference:  # the oldest
+            block_id = free.pop_oldest()
+            assert block_id == reference.popitem(last=False)[0]
+            used.append(block_id)
+        elif roll < 0.6 and reference:  # a prefix-cache hit on a free block
+            block_id = rng.choice(list(reference))
+            free.remove(block_id)
+            del reference[block_id]
+            used.append(block_id)
+        elif used:
+            block_id = used.pop(rng.randrange(len(used)))
+            free.append(block_id)
+            reference[block_id] = None
+        assert len(free) == len(reference)
+    assert list(free) == list(reference)
+    assert all((block_id in free) == (block_id in reference) for block_id in range(-1, 52))
+    for _ in range(len(reference)):
+        free.pop_oldest()
+    with pytest.raises(IndexError):
+        free.pop_oldest()
+
+
+def test_the_free_list_allocates_nothing_as_blocks_come_and_go() -> None:
+    # An OrderedDict free list rebuilt its tables every ~27k frees (~1.8 MB at 16k blocks): the engine core's
+    # heap, which keeps what it frees, grew ~1.25 MB each time (issue 37, item 4).
+    bm = BlockManager(16384, 16, enable_prefix_caching=False)
+    seqs = [_seq(i, [1, 2, 3]) for i in range(64)]
+    tracemalloc.start()
+    try:
+        for step in range(40_000):  # each: a sequence's block freed, another taken (the oldest free one)
+            seq = seqs[step % 64]
+            bm.free(seq)
+            assert bm.ensure_blocks(seq, 3)
+            if step == 1000:
+                tracemalloc.reset_peak()
+                start = tracemalloc.get_traced_memory()[0]
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert current - start < 16_384, (start, current)
+    assert peak - start < 16_384, (start, peak)
