@@ -6,7 +6,7 @@ Generate, text and token ids, the vLLM-compatible Generate, cancelled streams, G
   collection). Before: h2 kept ~145 bytes per closed stream on each connection (up to 2^16 of them), ~115
   bytes a call here;
 - calls leave no reference cycles (which only a collection frees, and the serving processes' collector runs
-  seldom: gc_policy.py). Before: 18 objects per unary call of a service other than Generate;
+  seldom: gc_policy.py). Before: 11 objects per call on grpclib's handler path (GetLoad, Tokenize);
 - a closed connection is freed when it closes, by reference counting. Before: it was a reference cycle, kept
   with everything it held (its last calls, h2's books) until a full collection, and grpclib's server kept
   it until its 10th next connection anyway.
