@@ -6,10 +6,10 @@ in one run:
 1) quiet: the prober alone for --seconds: GetLoad round trips back to back (p50 / p99 / max) and, on a
    connection of its own, streamed token-id Generates one after another (10-token prompt, 4 tokens: TTFT
    p50 / p99);
-2) flood (--floods times): the same prober while a flooder process (nice 19) sends, from --flooders concurrent
-   streams back to back, Generate(text) and Tokenize(text) requests of --text-mb MB each (natural text from
-   the tiny tokenizer's corpus, a different mix per request) and Tokenize requests with a text under the
-   context's bound (tokenized for real, on the worker pool where there is one); what each call got;
+2) flood (--floods times): the same prober while a flooder process (10 nice levels lower) sends, from
+   --flooders concurrent streams back to back, Generate(text) and Tokenize(text) requests of --text-mb MB
+   each (natural text from the tiny tokenizer's corpus, a different mix per request) and Tokenize requests
+   with a text under the context's bound (tokenized for real, on the worker pool where there is one);
 3) after each flood: the frontend's RSS once the server has been idle for --settle seconds.
 
 `--baseline DIR` also runs the same on a server started from DIR (e.g. a `git worktree` of the previous
@@ -53,6 +53,24 @@ def _pct(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class CpuWait:
+    """Since it was made: the share of wall time in which the frontend's event-loop thread was runnable but
+    waiting for its core (/proc/PID/schedstat: other processes on a shared machine took it)."""
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+        self._wall, self._waited = time.monotonic(), self._read()
+
+    def _read(self) -> float:
+        try:
+            return int(Path(f"/proc/{self._pid}/schedstat").read_text().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return float("nan")
+
+    def percent(self) -> float:
+        return 100.0 * (self._read() - self._waited) / (time.monotonic() - self._wall)
 
 
 def _rss_mib(pid: int) -> float:
@@ -177,7 +195,7 @@ async def _flood(port: int, seconds: float, flooders: int, text_mb: float, fit_c
 
 
 class Server:
-    def __init__(self, label: str, root: Path, workdir: Path) -> None:
+    def __init__(self, label: str, root: Path, workdir: Path, *, nice: int) -> None:
         self.label = label
         self.ready = workdir / f"{label}.ready"
         self.log = (workdir / f"{label}.log").open("wb")
@@ -187,7 +205,7 @@ class Server:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "engine_server", "--port", "0", "--ready-file", str(self.ready),
              "--log-level", "warning", "--max-num-seqs", "64"],
-            cwd=root, env=env, stdout=self.log, stderr=self.log, preexec_fn=_pinned(FRONTEND_CORE),
+            cwd=root, env=env, stdout=self.log, stderr=self.log, preexec_fn=_pinned(FRONTEND_CORE, nice=nice),
         )
         deadline = time.monotonic() + 300
         while not self.ready.exists():
@@ -234,30 +252,35 @@ def _result(process: subprocess.Popen[bytes]) -> dict[str, Any]:
 
 def run_server(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     port = str(server.port)
-    warm = _client("probe", port, "2")  # first calls, lazy imports: not measured
+    nice = args.nice
+    warm = _client("probe", port, "2", nice=nice)  # first calls, lazy imports: not measured
     _result(warm)
     rss = {"warm": _rss_mib(server.process.pid)}
-    quiet = _result(_client("probe", port, str(args.seconds)))
+    waited = CpuWait(server.process.pid)
+    quiet = _result(_client("probe", port, str(args.seconds), nice=nice))
+    quiet["cpu_wait"] = waited.percent()
     rss["quiet"] = _rss_mib(server.process.pid)
     flooded: dict[str, list[Any]] = {"getload_ms": [], "ttft_ms": [], "errors": []}
     calls: dict[str, list[Any]] = {"generate": [], "tokenize": [], "tokenize_fit": []}
     rss["peak"] = rss["quiet"]
     for round_index in range(args.floods):
-        # NOTE: the flooder yields its core to the prober (nice 19) and takes all the rest
+        # NOTE: the flooder yields its core to the prober (10 nice levels lower) and takes all the rest
+        waited = CpuWait(server.process.pid)
         flood = _client("flood", port, str(args.seconds + 1), str(args.flooders), str(args.text_mb),
-                        str(args.fit_chars), nice=19)
+                        str(args.fit_chars), nice=min(19, nice + 10))
         time.sleep(1.0)  # the flood is under way (its texts are built) before the prober starts
-        probe = _client("probe", port, str(args.seconds - 1))
+        probe = _client("probe", port, str(args.seconds - 1), nice=nice)
         while probe.poll() is None or flood.poll() is None:
             rss["peak"] = max(rss["peak"], _rss_mib(server.process.pid))
             time.sleep(0.2)
         for key, values in _result(probe).items():
             flooded[key] += values
+        flooded.setdefault("cpu_wait", []).append(waited.percent())
         for kind, kind_calls in _result(flood).items():
             calls[kind] += kind_calls
         time.sleep(args.settle)  # idle, then the memory the flood left behind
         rss[f"after {round_index + 1}"] = _rss_mib(server.process.pid)
-    after = _result(_client("probe", port, "3"))  # the server still serves, and as fast
+    after = _result(_client("probe", port, "3", nice=nice))  # the server still serves, and as fast
     return {"label": server.label, "quiet": quiet, "flooded": flooded, "flood": calls, "after": after,
             "rss_mib": rss}
 
@@ -275,6 +298,7 @@ def _row(result: dict[str, Any]) -> list[str]:
         f"{_pct(flooded['ttft_ms'], 0.5):.1f} / {f_ttft:.1f} ({f_ttft / q_ttft:.2f}x)",
         f"{len(quiet['getload_ms'])} / {len(flooded['getload_ms'])}",
         " / ".join(f"{mib:.0f}" for mib in rss.values()),
+        " / ".join(f"{pct:.1f}" for pct in [quiet["cpu_wait"], *flooded["cpu_wait"]]),
     ]
 
 
@@ -292,7 +316,8 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     header = ["server", "GetLoad quiet p50 / p99 ms", "GetLoad flooded p50 / p99 / max ms",
               "TTFT quiet p50 / p99 ms", "TTFT flooded p50 / p99 ms (vs quiet)", "GetLoads quiet / flooded",
-              "frontend RSS MiB: " + " / ".join(results[0]["rss_mib"])]
+              "frontend RSS MiB: " + " / ".join(results[0]["rss_mib"]),
+              "frontend waiting for its core, %: quiet / each flood"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_row(result)) + " |" for result in results]
     flood_lines = ["| server | Generate text | Tokenize text | Tokenize text that fits |",
@@ -305,15 +330,18 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "machine: other sessions' benchmarks ran meanwhile). Command: "
         f"`.venv/bin/python bench/tokenize_flood.py {' '.join(sys.argv[1:])}`. Tiny model (context 2048 "
         "tokens, longest token 13 bytes: texts over 26,624 bytes cannot fit). The frontend alone on core "
-        f"{FRONTEND_CORE}; the engine core process, the prober and the flooder on core {CLIENT_CORE}, the "
-        "flooder at nice 19 (it takes what the prober leaves). Per server: the prober alone for "
+        f"{FRONTEND_CORE}; the engine core process, the prober and the flooder on core {CLIENT_CORE}; server "
+        f"and prober at nice {args.nice}, the flooder at nice {min(19, args.nice + 10)} (it takes what the "
+        "prober leaves). Per server: the prober alone for "
         f"{args.seconds:g} s (quiet), then {args.floods} floods of {args.seconds:g} s, each while "
         f"{args.flooders} flooder stream(s) send back to back, in turn, Generate(text) and Tokenize(text) of "
         f"{args.text_mb:g} MB each and Tokenize of a {args.fit_chars}-character text (under the bound: "
         "tokenized, on the pool where there is one). Prober: GetLoad back to back (5 ms apart) on one "
         "connection, and streamed token-id Generates (10-token prompt, 4 tokens) one after another on "
         "another; TTFT = send to the first token. Frontend RSS: after warm-up, after the quiet phase, the "
-        f"highest during the floods, and {args.settle:g} s after each flood.",
+        f"highest during the floods, and {args.settle:g} s after each flood. Waiting for its core: the share "
+        "of each phase in which the frontend's loop thread was runnable but other processes had its core "
+        "(/proc/PID/schedstat; the machine is shared).",
         "\n".join(lines),
         "What the flooder's calls got (status counts; time per call):",
         "\n".join(flood_lines),
@@ -363,6 +391,9 @@ def main() -> None:
     p.add_argument("--text-mb", type=float, default=4.0, help="size of each flooded text, MB")
     p.add_argument("--fit-chars", type=int, default=20_000, help="the flooded text that fits, characters")
     p.add_argument("--floods", type=int, default=2, help="flood phases per server (memory after each)")
+    p.add_argument("--nice", type=int, default=0,
+                   help="the server's and the prober's nice value (the flooder's is 10 more): e.g. -10 on a "
+                        "machine shared with other work, so that it does not preempt what is measured")
     p.add_argument("--settle", type=float, default=12.0, help="idle seconds before RSS is read after")
     p.add_argument("--baseline", default=None, help="also a server from this tree (an older commit)")
     p.add_argument("--markdown", default=None, help="write the section into this file")
@@ -376,7 +407,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tokenize-flood-") as tmp:
         for label, root in trees:
             print(f"== {label}", flush=True)
-            server = Server(label.split()[0], root, Path(tmp))
+            server = Server(label.split()[0], root, Path(tmp), nice=args.nice)
             try:
                 result = run_server(server, args)
             except Exception:

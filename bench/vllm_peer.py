@@ -3,22 +3,26 @@
 
 The same requests go through our `LLMEngine` and through `vllm.LLM` (in-process, its engine's add_request /
 step loop, which is what `LLM.generate` runs), each in its own process (bench/vllm_peer_worker.py: vLLM
-needs its own torch build, in the virtualenv bench/vllm_peer_env.sh builds). Both processes stay up for a
-model and dtype; every workload runs on one, then on the other (which goes first alternates by round), for
---rounds rounds, so both see the same machine load. Greedy, ignore_eos, token-id prompts, no detokenization,
-the same scheduler budget (256 sequences, 2048 tokens a step, chunked prefill) and a KV cache everything fits.
+needs its own torch build, in the virtualenv bench/vllm_peer_env.sh builds). All processes stay up for a
+model and dtype; every workload runs on each in turn (the order reverses every round), for --rounds rounds,
+so all see the same machine load. Greedy, ignore_eos, token-id prompts, no detokenization, the same
+scheduler budget (256 sequences, 2048 tokens a step, chunked prefill) and a KV cache everything fits.
+Each side may run several modes (--engine-modes, --vllm-modes: thread counts and OpenMP settings, vLLM's
+compiled or eager model); the table takes each side's fastest (median over the rounds).
 
 Workloads (NAME = arrivals/requests/prompts): arrivals "burst" (all at t=0, --output new tokens each) or
-"staggered" (output//4..2*output-1 new tokens each, one arrival every gap = our engine's burst wall time of
-the same requests / requests, as bench/engine_bench.py defines it); prompts "short" (16-128 random token ids)
-or "long" (960-1040: prefill-heavy).
+"staggered" (output//4..2*output-1 new tokens each, one arrival every gap = the faster engine's burst wall
+time of the same requests / requests); prompts "short" (16-128 random token ids) or "long" (960-1040:
+prefill-heavy). The prompts differ every round (no prefix-cache hits across rounds).
 
 Usage: vllm_peer.py [--models tiny-llama-hd32,bench-llama-30m] [--dtypes float32,bfloat16] [--rounds 3]
-                    [--workloads burst/64/short,...] [--vllm-modes compiled] [--quick]
-                    [--markdown BENCHMARKS.md]
-       vllm_peer.py --profile [--models bench-llama-30m] [--dtypes float32,bfloat16]
-Results go to bench/out/vllm_peer/ (one JSON per model and dtype); --markdown rebuilds the section's table
-from every result there.
+                    [--workloads burst/64/short,...] [--engine-modes 2t-iomp,1t] [--vllm-modes compiled/2t]
+                    [--quick] [--markdown BENCHMARKS.md]
+       vllm_peer.py --modes-study ...     every mode's rounds, for choosing modes
+       vllm_peer.py --profile [--models bench-llama-30m] [--profile-prompts short|long]
+       vllm_peer.py --report-only --markdown BENCHMARKS.md
+Results go to bench/out/vllm_peer/ (one JSON per run); --markdown rebuilds the section's tables from every
+result there (each model, dtype and workload from its newest run).
 """
 
 from __future__ import annotations
@@ -258,11 +262,11 @@ def _burst_gap(runs: list[dict[str, Any]], wl: Workload) -> float:
 
 
 def run_profile(model: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
-    wl = Workload("burst", args.profile_requests, "short")
+    wl = Workload("burst", args.profile_requests, args.profile_prompts)
     workers = start_workers(model, dtype, args, [wl], profile=True)
     try:
         warm = wl.requests(output=8, gap_s=0, seed=999)
-        result: dict[str, Any] = {"model": model, "dtype": dtype, "requests": wl.num_requests, "date": _now(),
+        result: dict[str, Any] = {"model": model, "dtype": dtype, "requests": wl.name, "date": _now(),
                                   "workers": {w.label: w.info for w in workers}, "profiles": {}}
         for w in workers:
             w.call(cmd="run", requests=warm, tag="warm")
@@ -328,6 +332,8 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="profile a decode step of both instead")
     parser.add_argument("--profile-requests", type=int, default=64)
     parser.add_argument("--profile-steps", type=int, default=30)
+    parser.add_argument("--profile-prompts", default="short", choices=("short", "long"))
+    parser.add_argument("--report-only", action="store_true", help="no runs: rebuild --markdown's tables")
     parser.add_argument("--markdown", type=Path, default=None,
                         help="rebuild the section's tables in this file")
     args = parser.parse_args()
@@ -335,11 +341,11 @@ def main() -> int:
         args.rounds, args.equality = 1, min(args.equality, 4)
         args.workloads = args.workloads or ",".join(QUICK_WORKLOADS)
     info = machine()
-    for model in args.models.split(","):
+    for model in [] if args.report_only else args.models.split(","):
         for dtype in args.dtypes.split(","):
             if args.profile:
                 result = run_profile(model, dtype, args)
-                path = OUT / f"profile-{model}-{dtype}.json"
+                path = OUT / f"profile-{model}-{dtype}-{args.profile_prompts}.json"
             else:
                 names = (args.workloads.split(",") if args.workloads
                          else MODEL_WORKLOADS.get(model, ALL_WORKLOADS))

@@ -164,7 +164,7 @@ def profile_tables(profiles: list[dict[str, Any]]) -> str:
                 continue
             steps = {label: prof["profiles"][label][window]["steps"] for label in splits}
             counted = ", ".join(f"{k} {v}" for k, v in steps.items())
-            out += [f"**{prof['model']} {prof['dtype']}, {window} steps ({prof['requests']} requests; steps "
+            out += [f"**{prof['model']} {prof['dtype']}, {window} steps ({prof['requests']}; steps "
                     f"profiled: {counted}), ms per step, {prof['date']}**",
                     "", "| part | " + " | ".join(splits) + " |", "|---|" + "---:|" * len(splits)]
             for part in order:

@@ -125,10 +125,11 @@ async def test_running_requests_do_not_slow_down_while_constraints_compile(
                                  generate_pb2.FINISH_REASON_CONSTRAINT_DEAD_END}
         # NOTE: one of these compiles takes ~50 ms: had it run on the step loop, every one would be a stall of
         # that size in some stream (the p99 gap) and in the first token of the probes admitted meanwhile. What
-        # a hostile request costs otherwise (its 60 KB message read, converted and piped; its two tokens
-        # in the batch) is a request's ordinary share.
+        # a hostile request costs otherwise (its 60 KB message read, converted and piped; its prefill and two
+        # tokens in the batch) is a request's ordinary share: a few ms at the tail on a shared 2-core machine
+        # (a CI run saw 8 ms), far under one compile, which every flood round would otherwise add several times.
         assert busy_gap <= quiet_gap * 1.3 + 0.5e-3
-        assert busy_p99 <= quiet_p99 * 2 + 5e-3
+        assert busy_p99 <= quiet_p99 * 2 + 15e-3
         assert busy_ttft <= quiet_ttft * 1.5 + 5e-3
         load = await wait_engine_idle(stub)
         assert load.num_free_kv_blocks == load.num_total_kv_blocks
