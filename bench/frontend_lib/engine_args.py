@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 
 from engine_server.cli import parse_size
+from engine_server.core.loop import EngineFactory, default_engine_factory
 from engine_server.engine.config import EngineConfig
 from engine_server.frontend.async_engine import AsyncEngine
-from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from engine_server.core.messages import AbortElsewhereCommand
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.types import (
     EngineDead,
@@ -15,7 +16,6 @@ from engine_server.engine.types import (
     SamplingParams,
 )
 from engine_server.frontend.async_engine import AsyncEngine
-from engine_server.frontend.messages import AbortElsewhereCommand
 from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest
 from engine_server.frontend.tokenizer import Tokenizer
 from fake_core import EOS_ID, NUM_BLOCKS, FakeCore, fake_config, fake_factory, fake_validate

@@ -11,11 +11,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
-from engine_server.engine.config import EngineConfig
-from engine_server.engine.types import EngineDead, EngineRequest, FinishReason, SamplingParams
-from engine_server.frontend.async_engine import AsyncEngine
-from engine_server.frontend.core_multi import _MultiCoreLoop
-from engine_server.frontend.messages import (
+from engine_server.core.messages import (
     AbortCommand,
     AbortCompletionsCommand,
     AbortElsewhereCommand,
@@ -24,6 +20,10 @@ from engine_server.frontend.messages import (
     ShutdownCommand,
     StepOutput,
 )
+from engine_server.core.multi import _MultiCoreLoop
+from engine_server.engine.config import EngineConfig
+from engine_server.engine.types import EngineDead, EngineRequest, FinishReason, SamplingParams
+from engine_server.frontend.async_engine import AsyncEngine
 from engine_server.frontend.outputs import GenerateOutput, GenerateRequest
 from engine_server.frontend.scale_out import attach_engine, start_shared_core
 from engine_server.frontend.tokenizer import Tokenizer

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
+from engine_server.core.messages import AddCommand, ErrorInfo, StepOutput
 from engine_server.engine.types import (
     CompletionDelta,
     EngineRequest,
@@ -15,7 +16,6 @@ from engine_server.engine.types import (
     SamplingParams,
     TokenLogprob,
 )
-from engine_server.frontend.messages import AddCommand, ErrorInfo, StepOutput
 
 STATS = EngineStats(num_running=3, num_waiting=1, num_free_blocks=10, num_total_blocks=20)
 

@@ -16,7 +16,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from engine_server.api.server import EngineServer, EngineStarter, default_engine_starter
-from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
+from engine_server.core.loop import EngineFactory, default_engine_factory
 from engine_server.gc_policy import freeze_startup_heap
 
 if TYPE_CHECKING:

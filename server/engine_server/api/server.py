@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     from engine_server.api.handle import EngineHandle
     from engine_server.api.security import GuardedServer
     from engine_server.api.stream_limit import StreamLimit
+    from engine_server.core.loop import EngineFactory
     from engine_server.engine.config import EngineConfig
-    from engine_server.frontend.core_loop import EngineFactory
 
 logger = logging.getLogger(__name__)
 

@@ -14,17 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine_server.engine.types import (
-    EngineDead,
-    EngineOverloaded,
-    EngineRequest,
-    EngineStats,
-    FinishReason,
-    RequestError,
-)
-from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
-from engine_server.frontend.core_process import CoreClient, EngineLoadError
-from engine_server.frontend.messages import (
+from engine_server.core.loop import EngineFactory, default_engine_factory
+from engine_server.core.messages import (
     AbortCommand,
     AbortCompletionsCommand,
     AddCommand,
@@ -35,6 +26,15 @@ from engine_server.frontend.messages import (
     StatsCommand,
     StepOutput,
 )
+from engine_server.engine.types import (
+    EngineDead,
+    EngineOverloaded,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    RequestError,
+)
+from engine_server.frontend.core_process import CoreClient, EngineLoadError
 from engine_server.frontend.outputs import EngineState, GenerateRequest
 from engine_server.frontend.request_state import RequestState
 from engine_server.frontend.stream import RequestStream

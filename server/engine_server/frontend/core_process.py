@@ -24,14 +24,14 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, cast
 
-from engine_server.engine.types import EngineDead
-from engine_server.frontend.core_loop import (
+from engine_server.core.loop import (
     EngineFactory,
     default_engine_factory,
     run_core,
     run_core_process,
 )
-from engine_server.frontend.messages import Command, CoreMessage, LoadFailed, Ready, ShutdownCommand
+from engine_server.core.messages import Command, CoreMessage, LoadFailed, Ready, ShutdownCommand
+from engine_server.engine.types import EngineDead
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess

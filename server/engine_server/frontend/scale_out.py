@@ -1,6 +1,6 @@
 """Several frontend processes over one engine core (`engine-server --api-workers N`): the frontend side.
 
-The primary frontend starts the shared core (frontend/core_multi.py) with one pipe per frontend and gets an
+The primary frontend starts the shared core (core/multi.py) with one pipe per frontend and gets an
 `AsyncEngine` on pipe 0; it hands the other pipes to its worker processes, which `attach_engine` to theirs
 (a worker started later, in place of one that died, gets a new pipe: `PrimaryEngine.new_frontend_pipe`).
 Everything above the pipe (detokenizer, stop strings, coalescing) is the ordinary AsyncEngine; only `abort`
@@ -16,12 +16,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from engine_server.core.loop import EngineFactory, default_engine_factory
+from engine_server.core.messages import AbortElsewhereCommand, LoadFailed, Ready
+from engine_server.core.multi import run_multi_core_process, send_frontend_pipe
 from engine_server.engine.types import EngineDead
 from engine_server.frontend.async_engine import AsyncEngine
-from engine_server.frontend.core_loop import EngineFactory, default_engine_factory
-from engine_server.frontend.core_multi import run_multi_core_process, send_frontend_pipe
 from engine_server.frontend.core_process import CoreClient, CoreGone, EngineLoadError, core_environment
-from engine_server.frontend.messages import AbortElsewhereCommand, LoadFailed, Ready
 from engine_server.frontend.outputs import EngineState
 from engine_server.frontend.tokenizer import Tokenizer, TokenizerLoadError
 

@@ -27,16 +27,8 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, cast
 
-from engine_server.engine.gpu_modules import keep_gpu_modules_out
-from engine_server.engine.types import (
-    CompletionDelta,
-    EngineOverloaded,
-    EngineRequest,
-    EngineStats,
-    RequestError,
-)
-from engine_server.frontend.core_loop import embed_reply, exit_without_teardown
-from engine_server.frontend.messages import (
+from engine_server.core.loop import embed_reply, exit_without_teardown
+from engine_server.core.messages import (
     AbortCommand,
     AbortCompletionsCommand,
     AbortElsewhereCommand,
@@ -51,12 +43,20 @@ from engine_server.frontend.messages import (
     StatsCommand,
     StepOutput,
 )
+from engine_server.engine.gpu_modules import keep_gpu_modules_out
+from engine_server.engine.types import (
+    CompletionDelta,
+    EngineOverloaded,
+    EngineRequest,
+    EngineStats,
+    RequestError,
+)
 from engine_server.gc_policy import freeze_startup_heap
 from engine_server.proc_title import ENGINE_CORE, set_process_title
 
 if TYPE_CHECKING:
+    from engine_server.core.loop import EngineCore, EngineFactory
     from engine_server.engine.config import EngineConfig
-    from engine_server.frontend.core_loop import EngineCore, EngineFactory
 
 logger = logging.getLogger(__name__)
 

@@ -16,15 +16,7 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Protocol
 
-from engine_server.engine.gpu_modules import keep_gpu_modules_out
-from engine_server.engine.types import (
-    CompletionDelta,
-    EngineOverloaded,
-    EngineRequest,
-    EngineStats,
-    RequestError,
-)
-from engine_server.frontend.messages import (
+from engine_server.core.messages import (
     AbortCommand,
     AbortCompletionsCommand,
     AbortElsewhereCommand,
@@ -38,6 +30,14 @@ from engine_server.frontend.messages import (
     Ready,
     StatsCommand,
     StepOutput,
+)
+from engine_server.engine.gpu_modules import keep_gpu_modules_out
+from engine_server.engine.types import (
+    CompletionDelta,
+    EngineOverloaded,
+    EngineRequest,
+    EngineStats,
+    RequestError,
 )
 from engine_server.gc_policy import freeze_startup_heap
 from engine_server.proc_title import ENGINE_CORE, set_process_title
