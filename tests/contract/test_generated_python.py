@@ -6,8 +6,11 @@ import importlib
 
 import pytest
 
-RPCS = ["Generate", "Embed", "Tokenize", "Detokenize", "Abort", "GetModelInfo", "GetServerInfo", "GetLoad"]
-FILES = ["engine_service", "generate", "embed", "tokenize", "info"]
+RPCS = [
+    "Generate", "Embed", "Tokenize", "Detokenize", "Abort", "GetModelInfo", "GetServerInfo", "GetLoad",
+    "FlushCache", "SubscribeCacheEvents",
+]
+FILES = ["engine_service", "generate", "embed", "tokenize", "info", "cache"]
 
 
 @pytest.mark.parametrize("suffix", ["_pb2", "_pb2_grpc", "_grpc"])
@@ -28,6 +31,7 @@ def test_service_descriptor_lists_every_rpc() -> None:
     assert service.full_name == "engine.v1.EngineService"
     assert [method.name for method in service.methods] == RPCS
     assert service.methods_by_name["Generate"].server_streaming
+    assert service.methods_by_name["SubscribeCacheEvents"].server_streaming
 
 
 def test_stubs_of_every_flavour_expose_every_rpc() -> None:
@@ -39,7 +43,10 @@ def test_stubs_of_every_flavour_expose_every_rpc() -> None:
     for rpc in RPCS:
         assert hasattr(engine_service_pb2_grpc.EngineServiceServicer, rpc)
         assert hasattr(engine_service_grpc.EngineServiceStub(channel=None), rpc)  # type: ignore[arg-type]
-    snake = {"GetModelInfo": "get_model_info", "GetServerInfo": "get_server_info", "GetLoad": "get_load"}
+    snake = {
+        "GetModelInfo": "get_model_info", "GetServerInfo": "get_server_info", "GetLoad": "get_load",
+        "FlushCache": "flush_cache", "SubscribeCacheEvents": "subscribe_cache_events",
+    }
     for rpc in RPCS:
         assert hasattr(bp.EngineServiceStub, snake.get(rpc, rpc.lower()))
         assert hasattr(bp.EngineServiceSyncStub, snake.get(rpc, rpc.lower()))

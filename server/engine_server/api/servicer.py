@@ -8,7 +8,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from engine_proto.engine.v1 import embed_pb2, generate_pb2, info_pb2, tokenize_pb2
+from engine_proto.engine.v1 import cache_pb2, embed_pb2, generate_pb2, info_pb2, tokenize_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceBase
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -373,3 +373,16 @@ class EngineServicer(EngineServiceBase):
         response = info_pb2.GetLoadResponse(state=self.state)
         responses.fill_load(response.load, self._engine.stats() if self._engine is not None else None)
         await stream.send_message(response)
+
+    async def FlushCache(
+        self, stream: Stream[cache_pb2.FlushCacheRequest, cache_pb2.FlushCacheResponse]
+    ) -> None:
+        await stream.recv_message()
+        raise GRPCError(Status.UNIMPLEMENTED, "FlushCache is not implemented yet")
+
+    async def SubscribeCacheEvents(
+        self, stream: Stream[cache_pb2.SubscribeCacheEventsRequest, cache_pb2.SubscribeCacheEventsResponse]
+    ) -> None:
+        # NOTE: the cache-events stream is served by the KV-events work of issue 40 (its own module).
+        await stream.recv_message()
+        raise GRPCError(Status.UNIMPLEMENTED, "SubscribeCacheEvents is not implemented yet")

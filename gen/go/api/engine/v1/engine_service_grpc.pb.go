@@ -37,14 +37,16 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	EngineService_Generate_FullMethodName      = "/engine.v1.EngineService/Generate"
-	EngineService_Embed_FullMethodName         = "/engine.v1.EngineService/Embed"
-	EngineService_Tokenize_FullMethodName      = "/engine.v1.EngineService/Tokenize"
-	EngineService_Detokenize_FullMethodName    = "/engine.v1.EngineService/Detokenize"
-	EngineService_Abort_FullMethodName         = "/engine.v1.EngineService/Abort"
-	EngineService_GetModelInfo_FullMethodName  = "/engine.v1.EngineService/GetModelInfo"
-	EngineService_GetServerInfo_FullMethodName = "/engine.v1.EngineService/GetServerInfo"
-	EngineService_GetLoad_FullMethodName       = "/engine.v1.EngineService/GetLoad"
+	EngineService_Generate_FullMethodName             = "/engine.v1.EngineService/Generate"
+	EngineService_Embed_FullMethodName                = "/engine.v1.EngineService/Embed"
+	EngineService_Tokenize_FullMethodName             = "/engine.v1.EngineService/Tokenize"
+	EngineService_Detokenize_FullMethodName           = "/engine.v1.EngineService/Detokenize"
+	EngineService_Abort_FullMethodName                = "/engine.v1.EngineService/Abort"
+	EngineService_GetModelInfo_FullMethodName         = "/engine.v1.EngineService/GetModelInfo"
+	EngineService_GetServerInfo_FullMethodName        = "/engine.v1.EngineService/GetServerInfo"
+	EngineService_GetLoad_FullMethodName              = "/engine.v1.EngineService/GetLoad"
+	EngineService_FlushCache_FullMethodName           = "/engine.v1.EngineService/FlushCache"
+	EngineService_SubscribeCacheEvents_FullMethodName = "/engine.v1.EngineService/SubscribeCacheEvents"
 )
 
 // EngineServiceClient is the client API for EngineService service.
@@ -88,6 +90,43 @@ type EngineServiceClient interface {
 	// GetLoad is the cheap call for routers that poll often: running and waiting requests and KV cache usage.
 	// Like GetServerInfo it answers in every state.
 	GetLoad(ctx context.Context, in *GetLoadRequest, opts ...grpc.CallOption) (*GetLoadResponse, error)
+	// FlushCache empties the prefix cache without preempting or slowing any request: every cached block that no
+	// request uses is dropped, and the blocks running requests use stop being reusable (they are freed uncached
+	// when their requests end). So no request admitted after the call returns reuses KV computed before the
+	// flush: its cached_prompt_tokens counts only blocks stored after it. Running streams go on unchanged.
+	// Cache-event subscribers get a `cleared` event. The engine applies the flush between two steps, with
+	// --api-workers too (one engine serves every frontend), and the call returns once it is applied, usually
+	// within one step; the flush never waits for requests to finish, so it cannot fail for want of an idle
+	// engine (smg's FlushCache timeout has nothing to wait for here: use the call's deadline). Idempotent.
+	// Errors:
+	//
+	//	DEADLINE_EXCEEDED  the deadline passed before the engine applied the flush; it may still be applied.
+	//	                   Retrying is safe.
+	FlushCache(ctx context.Context, in *FlushCacheRequest, opts ...grpc.CallOption) (*FlushCacheResponse, error)
+	// SubscribeCacheEvents streams the prefix cache's changes, so a router can send each request to the server
+	// that already holds its prefix. Token-id native: stored blocks carry their token ids and cache salt.
+	// The stream: a snapshot (CacheSnapshotPart) when the request asks for one or needs a resync, then one
+	// batch per engine step that changed the cache, numbered without gaps, each with the load record, and
+	// heartbeats (SubscribeCacheEventsResponse.heartbeat) while nothing changes. It runs until the client
+	// cancels it or the server stops (UNAVAILABLE while draining). Several subscribers may stream at once.
+	// Resuming: with start_sequence_number N > 0 and this instance's instance_id (or none), the server replays
+	// batches N, N+1, ... from its bounded replay buffer, then streams live ones; N = the next number to be
+	// published streams live batches only. Resync: when the replay buffer no longer holds batch N (the
+	// subscriber fell behind, or was away too long), or instance_id names another instance, the stream starts
+	// with a snapshot instead; the subscriber replaces what it knew with it. The engine never waits for a
+	// subscriber: one that reads too slowly while streaming, so that the batches it has not read pass the
+	// server's bound, has its stream ended with ABORTED, and resubscribes with its cursor + 1 (a replay, or a
+	// snapshot). A subscriber SHOULD send instance_id when it resumes, so a restarted server resyncs it.
+	// Errors:
+	//
+	//	INVALID_ARGUMENT    start_sequence_number is beyond the next number to be published while instance_id is
+	//	                    this instance's (a number from the future).
+	//	ABORTED             the subscriber fell behind while streaming (above); resubscribe.
+	//	RESOURCE_EXHAUSTED  the server's limit of concurrent subscriptions is reached.
+	//
+	// Without prefix caching (the server's --no-prefix-caching) there are no events: the snapshot is empty and the
+	// stream carries heartbeats with the load.
+	SubscribeCacheEvents(ctx context.Context, in *SubscribeCacheEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[SubscribeCacheEventsResponse], error)
 }
 
 type engineServiceClient struct {
@@ -187,6 +226,35 @@ func (c *engineServiceClient) GetLoad(ctx context.Context, in *GetLoadRequest, o
 	return out, nil
 }
 
+func (c *engineServiceClient) FlushCache(ctx context.Context, in *FlushCacheRequest, opts ...grpc.CallOption) (*FlushCacheResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(FlushCacheResponse)
+	err := c.cc.Invoke(ctx, EngineService_FlushCache_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *engineServiceClient) SubscribeCacheEvents(ctx context.Context, in *SubscribeCacheEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[SubscribeCacheEventsResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &EngineService_ServiceDesc.Streams[1], EngineService_SubscribeCacheEvents_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[SubscribeCacheEventsRequest, SubscribeCacheEventsResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type EngineService_SubscribeCacheEventsClient = grpc.ServerStreamingClient[SubscribeCacheEventsResponse]
+
 // EngineServiceServer is the server API for EngineService service.
 // All implementations must embed UnimplementedEngineServiceServer
 // for forward compatibility.
@@ -228,6 +296,43 @@ type EngineServiceServer interface {
 	// GetLoad is the cheap call for routers that poll often: running and waiting requests and KV cache usage.
 	// Like GetServerInfo it answers in every state.
 	GetLoad(context.Context, *GetLoadRequest) (*GetLoadResponse, error)
+	// FlushCache empties the prefix cache without preempting or slowing any request: every cached block that no
+	// request uses is dropped, and the blocks running requests use stop being reusable (they are freed uncached
+	// when their requests end). So no request admitted after the call returns reuses KV computed before the
+	// flush: its cached_prompt_tokens counts only blocks stored after it. Running streams go on unchanged.
+	// Cache-event subscribers get a `cleared` event. The engine applies the flush between two steps, with
+	// --api-workers too (one engine serves every frontend), and the call returns once it is applied, usually
+	// within one step; the flush never waits for requests to finish, so it cannot fail for want of an idle
+	// engine (smg's FlushCache timeout has nothing to wait for here: use the call's deadline). Idempotent.
+	// Errors:
+	//
+	//	DEADLINE_EXCEEDED  the deadline passed before the engine applied the flush; it may still be applied.
+	//	                   Retrying is safe.
+	FlushCache(context.Context, *FlushCacheRequest) (*FlushCacheResponse, error)
+	// SubscribeCacheEvents streams the prefix cache's changes, so a router can send each request to the server
+	// that already holds its prefix. Token-id native: stored blocks carry their token ids and cache salt.
+	// The stream: a snapshot (CacheSnapshotPart) when the request asks for one or needs a resync, then one
+	// batch per engine step that changed the cache, numbered without gaps, each with the load record, and
+	// heartbeats (SubscribeCacheEventsResponse.heartbeat) while nothing changes. It runs until the client
+	// cancels it or the server stops (UNAVAILABLE while draining). Several subscribers may stream at once.
+	// Resuming: with start_sequence_number N > 0 and this instance's instance_id (or none), the server replays
+	// batches N, N+1, ... from its bounded replay buffer, then streams live ones; N = the next number to be
+	// published streams live batches only. Resync: when the replay buffer no longer holds batch N (the
+	// subscriber fell behind, or was away too long), or instance_id names another instance, the stream starts
+	// with a snapshot instead; the subscriber replaces what it knew with it. The engine never waits for a
+	// subscriber: one that reads too slowly while streaming, so that the batches it has not read pass the
+	// server's bound, has its stream ended with ABORTED, and resubscribes with its cursor + 1 (a replay, or a
+	// snapshot). A subscriber SHOULD send instance_id when it resumes, so a restarted server resyncs it.
+	// Errors:
+	//
+	//	INVALID_ARGUMENT    start_sequence_number is beyond the next number to be published while instance_id is
+	//	                    this instance's (a number from the future).
+	//	ABORTED             the subscriber fell behind while streaming (above); resubscribe.
+	//	RESOURCE_EXHAUSTED  the server's limit of concurrent subscriptions is reached.
+	//
+	// Without prefix caching (the server's --no-prefix-caching) there are no events: the snapshot is empty and the
+	// stream carries heartbeats with the load.
+	SubscribeCacheEvents(*SubscribeCacheEventsRequest, grpc.ServerStreamingServer[SubscribeCacheEventsResponse]) error
 	mustEmbedUnimplementedEngineServiceServer()
 }
 
@@ -261,6 +366,12 @@ func (UnimplementedEngineServiceServer) GetServerInfo(context.Context, *GetServe
 }
 func (UnimplementedEngineServiceServer) GetLoad(context.Context, *GetLoadRequest) (*GetLoadResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetLoad not implemented")
+}
+func (UnimplementedEngineServiceServer) FlushCache(context.Context, *FlushCacheRequest) (*FlushCacheResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method FlushCache not implemented")
+}
+func (UnimplementedEngineServiceServer) SubscribeCacheEvents(*SubscribeCacheEventsRequest, grpc.ServerStreamingServer[SubscribeCacheEventsResponse]) error {
+	return status.Error(codes.Unimplemented, "method SubscribeCacheEvents not implemented")
 }
 func (UnimplementedEngineServiceServer) mustEmbedUnimplementedEngineServiceServer() {}
 func (UnimplementedEngineServiceServer) testEmbeddedByValue()                       {}
@@ -420,6 +531,35 @@ func _EngineService_GetLoad_Handler(srv interface{}, ctx context.Context, dec fu
 	return interceptor(ctx, in, info, handler)
 }
 
+func _EngineService_FlushCache_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(FlushCacheRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EngineServiceServer).FlushCache(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: EngineService_FlushCache_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EngineServiceServer).FlushCache(ctx, req.(*FlushCacheRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _EngineService_SubscribeCacheEvents_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(SubscribeCacheEventsRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(EngineServiceServer).SubscribeCacheEvents(m, &grpc.GenericServerStream[SubscribeCacheEventsRequest, SubscribeCacheEventsResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type EngineService_SubscribeCacheEventsServer = grpc.ServerStreamingServer[SubscribeCacheEventsResponse]
+
 // EngineService_ServiceDesc is the grpc.ServiceDesc for EngineService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -455,11 +595,20 @@ var EngineService_ServiceDesc = grpc.ServiceDesc{
 			MethodName: "GetLoad",
 			Handler:    _EngineService_GetLoad_Handler,
 		},
+		{
+			MethodName: "FlushCache",
+			Handler:    _EngineService_FlushCache_Handler,
+		},
 	},
 	Streams: []grpc.StreamDesc{
 		{
 			StreamName:    "Generate",
 			Handler:       _EngineService_Generate_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "SubscribeCacheEvents",
+			Handler:       _EngineService_SubscribeCacheEvents_Handler,
 			ServerStreams: true,
 		},
 	},

@@ -114,8 +114,30 @@ type GenerateRequest struct {
 	// the other knobs. An invalid constraint is INVALID_ARGUMENT naming the field, with the grammar library's
 	// message.
 	StructuredOutput *StructuredOutput `protobuf:"bytes,10,opt,name=structured_output,json=structuredOutput,proto3" json:"structured_output,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Cache isolation: the namespace of this request's prefix-cache blocks. Requests with different salts never
+	// share a KV block, so one tenant cannot learn from its time to first token whether another tenant sent the
+	// same prompt (a timing side channel); requests with the same salt share blocks as unsalted requests do
+	// (Usage.cached_prompt_tokens counts only blocks of the same salt). The salt enters the hash of the
+	// request's first block, and every later block chains from it. Default: empty, the shared namespace of all
+	// unsalted requests. Use a secret value per tenant (a salt another tenant can guess gives no isolation).
+	// At most 256 characters; longer is INVALID_ARGUMENT. Cache events (SubscribeCacheEvents) report it with
+	// the blocks stored under it.
+	CacheSalt string `protobuf:"bytes,11,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
+	// Scheduling priority, vLLM's convention: a lower value is served first; requests of equal priority are
+	// served first come, first served (by arrival at the engine). Any int32 is valid. Default: 0.
+	// Admission: waiting requests (new and preempted ones) are admitted in (priority, arrival) order, and a
+	// waiting request that does not fit yet holds back every request after it in that order.
+	// Preemption: when the KV cache runs out while running requests grow, the server preempts the running
+	// request with the highest priority value first (the latest arrived among equals), which then waits and
+	// resumes in (priority, arrival) order; its output so far is kept. A waiting request never preempts a
+	// running one: a high-priority request waits for running requests to finish or to be preempted for memory,
+	// however long the queue of lower-priority requests behind it is. No starvation guarantee is made: a
+	// steady stream of higher-priority requests can keep a lower-priority request waiting indefinitely (its
+	// deadline, if any, still ends it). Priority does not change a completion's tokens: a greedy or seeded
+	// completion is the same at every priority.
+	Priority      int32 `protobuf:"varint,12,opt,name=priority,proto3" json:"priority,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateRequest) Reset() {
@@ -229,6 +251,20 @@ func (x *GenerateRequest) GetStructuredOutput() *StructuredOutput {
 		return x.StructuredOutput
 	}
 	return nil
+}
+
+func (x *GenerateRequest) GetCacheSalt() string {
+	if x != nil {
+		return x.CacheSalt
+	}
+	return ""
+}
+
+func (x *GenerateRequest) GetPriority() int32 {
+	if x != nil {
+		return x.Priority
+	}
+	return 0
 }
 
 type isGenerateRequest_Input interface {
@@ -1610,7 +1646,7 @@ var File_engine_v1_generate_proto protoreflect.FileDescriptor
 
 const file_engine_v1_generate_proto_rawDesc = "" +
 	"\n" +
-	"\x18engine/v1/generate.proto\x12\tengine.v1\"\x80\x04\n" +
+	"\x18engine/v1/generate.proto\x12\tengine.v1\"\xbb\x04\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x122\n" +
@@ -1623,7 +1659,10 @@ const file_engine_v1_generate_proto_rawDesc = "" +
 	"\x06stream\x18\b \x01(\bR\x06stream\x121\n" +
 	"\x12add_special_tokens\x18\t \x01(\bH\x01R\x10addSpecialTokens\x88\x01\x01\x12H\n" +
 	"\x11structured_output\x18\n" +
-	" \x01(\v2\x1b.engine.v1.StructuredOutputR\x10structuredOutputB\a\n" +
+	" \x01(\v2\x1b.engine.v1.StructuredOutputR\x10structuredOutput\x12\x1d\n" +
+	"\n" +
+	"cache_salt\x18\v \x01(\tR\tcacheSalt\x12\x1a\n" +
+	"\bpriority\x18\f \x01(\x05R\bpriorityB\a\n" +
 	"\x05inputB\x15\n" +
 	"\x13_add_special_tokens\"\x9b\x02\n" +
 	"\x10StructuredOutput\x12!\n" +

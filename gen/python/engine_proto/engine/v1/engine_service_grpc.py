@@ -9,6 +9,7 @@ import grpclib.client
 if typing.TYPE_CHECKING:
     import grpclib.server
 
+import engine_proto.engine.v1.cache_pb2
 import engine_proto.engine.v1.embed_pb2
 import engine_proto.engine.v1.generate_pb2
 import engine_proto.engine.v1.info_pb2
@@ -48,6 +49,14 @@ class EngineServiceBase(abc.ABC):
 
     @abc.abstractmethod
     async def GetLoad(self, stream: 'grpclib.server.Stream[engine_proto.engine.v1.info_pb2.GetLoadRequest, engine_proto.engine.v1.info_pb2.GetLoadResponse]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def FlushCache(self, stream: 'grpclib.server.Stream[engine_proto.engine.v1.cache_pb2.FlushCacheRequest, engine_proto.engine.v1.cache_pb2.FlushCacheResponse]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def SubscribeCacheEvents(self, stream: 'grpclib.server.Stream[engine_proto.engine.v1.cache_pb2.SubscribeCacheEventsRequest, engine_proto.engine.v1.cache_pb2.SubscribeCacheEventsResponse]') -> None:
         pass
 
     def __mapping__(self) -> typing.Dict[str, grpclib.const.Handler]:
@@ -99,6 +108,18 @@ class EngineServiceBase(abc.ABC):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 engine_proto.engine.v1.info_pb2.GetLoadRequest,
                 engine_proto.engine.v1.info_pb2.GetLoadResponse,
+            ),
+            '/engine.v1.EngineService/FlushCache': grpclib.const.Handler(
+                self.FlushCache,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                engine_proto.engine.v1.cache_pb2.FlushCacheRequest,
+                engine_proto.engine.v1.cache_pb2.FlushCacheResponse,
+            ),
+            '/engine.v1.EngineService/SubscribeCacheEvents': grpclib.const.Handler(
+                self.SubscribeCacheEvents,
+                grpclib.const.Cardinality.UNARY_STREAM,
+                engine_proto.engine.v1.cache_pb2.SubscribeCacheEventsRequest,
+                engine_proto.engine.v1.cache_pb2.SubscribeCacheEventsResponse,
             ),
         }
 
@@ -153,4 +174,16 @@ class EngineServiceStub:
             '/engine.v1.EngineService/GetLoad',
             engine_proto.engine.v1.info_pb2.GetLoadRequest,
             engine_proto.engine.v1.info_pb2.GetLoadResponse,
+        )
+        self.FlushCache = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/engine.v1.EngineService/FlushCache',
+            engine_proto.engine.v1.cache_pb2.FlushCacheRequest,
+            engine_proto.engine.v1.cache_pb2.FlushCacheResponse,
+        )
+        self.SubscribeCacheEvents = grpclib.client.UnaryStreamMethod(
+            channel,
+            '/engine.v1.EngineService/SubscribeCacheEvents',
+            engine_proto.engine.v1.cache_pb2.SubscribeCacheEventsRequest,
+            engine_proto.engine.v1.cache_pb2.SubscribeCacheEventsResponse,
         )

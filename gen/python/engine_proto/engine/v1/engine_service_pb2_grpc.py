@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from engine_proto.engine.v1 import cache_pb2 as engine_dot_v1_dot_cache__pb2
 from engine_proto.engine.v1 import embed_pb2 as engine_dot_v1_dot_embed__pb2
 from engine_proto.engine.v1 import generate_pb2 as engine_dot_v1_dot_generate__pb2
 from engine_proto.engine.v1 import info_pb2 as engine_dot_v1_dot_info__pb2
@@ -77,6 +78,16 @@ class EngineServiceStub:
                 '/engine.v1.EngineService/GetLoad',
                 request_serializer=engine_dot_v1_dot_info__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=engine_dot_v1_dot_info__pb2.GetLoadResponse.FromString,
+                _registered_method=True)
+        self.FlushCache = channel.unary_unary(
+                '/engine.v1.EngineService/FlushCache',
+                request_serializer=engine_dot_v1_dot_cache__pb2.FlushCacheRequest.SerializeToString,
+                response_deserializer=engine_dot_v1_dot_cache__pb2.FlushCacheResponse.FromString,
+                _registered_method=True)
+        self.SubscribeCacheEvents = channel.unary_stream(
+                '/engine.v1.EngineService/SubscribeCacheEvents',
+                request_serializer=engine_dot_v1_dot_cache__pb2.SubscribeCacheEventsRequest.SerializeToString,
+                response_deserializer=engine_dot_v1_dot_cache__pb2.SubscribeCacheEventsResponse.FromString,
                 _registered_method=True)
 
 
@@ -158,6 +169,50 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FlushCache(self, request, context):
+        """FlushCache empties the prefix cache without preempting or slowing any request: every cached block that no
+        request uses is dropped, and the blocks running requests use stop being reusable (they are freed uncached
+        when their requests end). So no request admitted after the call returns reuses KV computed before the
+        flush: its cached_prompt_tokens counts only blocks stored after it. Running streams go on unchanged.
+        Cache-event subscribers get a `cleared` event. The engine applies the flush between two steps, with
+        --api-workers too (one engine serves every frontend), and the call returns once it is applied, usually
+        within one step; the flush never waits for requests to finish, so it cannot fail for want of an idle
+        engine (smg's FlushCache timeout has nothing to wait for here: use the call's deadline). Idempotent.
+        Errors:
+        DEADLINE_EXCEEDED  the deadline passed before the engine applied the flush; it may still be applied.
+        Retrying is safe.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubscribeCacheEvents(self, request, context):
+        """SubscribeCacheEvents streams the prefix cache's changes, so a router can send each request to the server
+        that already holds its prefix. Token-id native: stored blocks carry their token ids and cache salt.
+        The stream: a snapshot (CacheSnapshotPart) when the request asks for one or needs a resync, then one
+        batch per engine step that changed the cache, numbered without gaps, each with the load record, and
+        heartbeats (SubscribeCacheEventsResponse.heartbeat) while nothing changes. It runs until the client
+        cancels it or the server stops (UNAVAILABLE while draining). Several subscribers may stream at once.
+        Resuming: with start_sequence_number N > 0 and this instance's instance_id (or none), the server replays
+        batches N, N+1, ... from its bounded replay buffer, then streams live ones; N = the next number to be
+        published streams live batches only. Resync: when the replay buffer no longer holds batch N (the
+        subscriber fell behind, or was away too long), or instance_id names another instance, the stream starts
+        with a snapshot instead; the subscriber replaces what it knew with it. The engine never waits for a
+        subscriber: one that reads too slowly while streaming, so that the batches it has not read pass the
+        server's bound, has its stream ended with ABORTED, and resubscribes with its cursor + 1 (a replay, or a
+        snapshot). A subscriber SHOULD send instance_id when it resumes, so a restarted server resyncs it.
+        Errors:
+        INVALID_ARGUMENT    start_sequence_number is beyond the next number to be published while instance_id is
+        this instance's (a number from the future).
+        ABORTED             the subscriber fell behind while streaming (above); resubscribe.
+        RESOURCE_EXHAUSTED  the server's limit of concurrent subscriptions is reached.
+        Without prefix caching (the server's --no-prefix-caching) there are no events: the snapshot is empty and the
+        stream carries heartbeats with the load.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -200,6 +255,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=engine_dot_v1_dot_info__pb2.GetLoadRequest.FromString,
                     response_serializer=engine_dot_v1_dot_info__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'FlushCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushCache,
+                    request_deserializer=engine_dot_v1_dot_cache__pb2.FlushCacheRequest.FromString,
+                    response_serializer=engine_dot_v1_dot_cache__pb2.FlushCacheResponse.SerializeToString,
+            ),
+            'SubscribeCacheEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeCacheEvents,
+                    request_deserializer=engine_dot_v1_dot_cache__pb2.SubscribeCacheEventsRequest.FromString,
+                    response_serializer=engine_dot_v1_dot_cache__pb2.SubscribeCacheEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -419,6 +484,60 @@ class EngineService:
             '/engine.v1.EngineService/GetLoad',
             engine_dot_v1_dot_info__pb2.GetLoadRequest.SerializeToString,
             engine_dot_v1_dot_info__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine.v1.EngineService/FlushCache',
+            engine_dot_v1_dot_cache__pb2.FlushCacheRequest.SerializeToString,
+            engine_dot_v1_dot_cache__pb2.FlushCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeCacheEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/engine.v1.EngineService/SubscribeCacheEvents',
+            engine_dot_v1_dot_cache__pb2.SubscribeCacheEventsRequest.SerializeToString,
+            engine_dot_v1_dot_cache__pb2.SubscribeCacheEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

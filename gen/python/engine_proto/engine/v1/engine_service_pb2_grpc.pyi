@@ -21,6 +21,7 @@ for the empty service name and for "engine.v1.EngineService".
 """
 
 from collections import abc as _abc
+from engine_proto.engine.v1 import cache_pb2 as _cache_pb2
 from engine_proto.engine.v1 import embed_pb2 as _embed_pb2
 from engine_proto.engine.v1 import generate_pb2 as _generate_pb2
 from engine_proto.engine.v1 import info_pb2 as _info_pb2
@@ -93,6 +94,42 @@ class EngineServiceStub:
     """GetLoad is the cheap call for routers that poll often: running and waiting requests and KV cache usage.
     Like GetServerInfo it answers in every state.
     """
+    FlushCache: _grpc.UnaryUnaryMultiCallable[_cache_pb2.FlushCacheRequest, _cache_pb2.FlushCacheResponse]
+    """FlushCache empties the prefix cache without preempting or slowing any request: every cached block that no
+    request uses is dropped, and the blocks running requests use stop being reusable (they are freed uncached
+    when their requests end). So no request admitted after the call returns reuses KV computed before the
+    flush: its cached_prompt_tokens counts only blocks stored after it. Running streams go on unchanged.
+    Cache-event subscribers get a `cleared` event. The engine applies the flush between two steps, with
+    --api-workers too (one engine serves every frontend), and the call returns once it is applied, usually
+    within one step; the flush never waits for requests to finish, so it cannot fail for want of an idle
+    engine (smg's FlushCache timeout has nothing to wait for here: use the call's deadline). Idempotent.
+    Errors:
+      DEADLINE_EXCEEDED  the deadline passed before the engine applied the flush; it may still be applied.
+                         Retrying is safe.
+    """
+    SubscribeCacheEvents: _grpc.UnaryStreamMultiCallable[_cache_pb2.SubscribeCacheEventsRequest, _cache_pb2.SubscribeCacheEventsResponse]
+    """SubscribeCacheEvents streams the prefix cache's changes, so a router can send each request to the server
+    that already holds its prefix. Token-id native: stored blocks carry their token ids and cache salt.
+    The stream: a snapshot (CacheSnapshotPart) when the request asks for one or needs a resync, then one
+    batch per engine step that changed the cache, numbered without gaps, each with the load record, and
+    heartbeats (SubscribeCacheEventsResponse.heartbeat) while nothing changes. It runs until the client
+    cancels it or the server stops (UNAVAILABLE while draining). Several subscribers may stream at once.
+    Resuming: with start_sequence_number N > 0 and this instance's instance_id (or none), the server replays
+    batches N, N+1, ... from its bounded replay buffer, then streams live ones; N = the next number to be
+    published streams live batches only. Resync: when the replay buffer no longer holds batch N (the
+    subscriber fell behind, or was away too long), or instance_id names another instance, the stream starts
+    with a snapshot instead; the subscriber replaces what it knew with it. The engine never waits for a
+    subscriber: one that reads too slowly while streaming, so that the batches it has not read pass the
+    server's bound, has its stream ended with ABORTED, and resubscribes with its cursor + 1 (a replay, or a
+    snapshot). A subscriber SHOULD send instance_id when it resumes, so a restarted server resyncs it.
+    Errors:
+      INVALID_ARGUMENT    start_sequence_number is beyond the next number to be published while instance_id is
+                          this instance's (a number from the future).
+      ABORTED             the subscriber fell behind while streaming (above); resubscribe.
+      RESOURCE_EXHAUSTED  the server's limit of concurrent subscriptions is reached.
+    Without prefix caching (the server's --no-prefix-caching) there are no events: the snapshot is empty and the
+    stream carries heartbeats with the load.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -138,6 +175,42 @@ class EngineServiceAsyncStub(EngineServiceStub):
     GetLoad: _aio.UnaryUnaryMultiCallable[_info_pb2.GetLoadRequest, _info_pb2.GetLoadResponse]  # type: ignore[assignment]
     """GetLoad is the cheap call for routers that poll often: running and waiting requests and KV cache usage.
     Like GetServerInfo it answers in every state.
+    """
+    FlushCache: _aio.UnaryUnaryMultiCallable[_cache_pb2.FlushCacheRequest, _cache_pb2.FlushCacheResponse]  # type: ignore[assignment]
+    """FlushCache empties the prefix cache without preempting or slowing any request: every cached block that no
+    request uses is dropped, and the blocks running requests use stop being reusable (they are freed uncached
+    when their requests end). So no request admitted after the call returns reuses KV computed before the
+    flush: its cached_prompt_tokens counts only blocks stored after it. Running streams go on unchanged.
+    Cache-event subscribers get a `cleared` event. The engine applies the flush between two steps, with
+    --api-workers too (one engine serves every frontend), and the call returns once it is applied, usually
+    within one step; the flush never waits for requests to finish, so it cannot fail for want of an idle
+    engine (smg's FlushCache timeout has nothing to wait for here: use the call's deadline). Idempotent.
+    Errors:
+      DEADLINE_EXCEEDED  the deadline passed before the engine applied the flush; it may still be applied.
+                         Retrying is safe.
+    """
+    SubscribeCacheEvents: _aio.UnaryStreamMultiCallable[_cache_pb2.SubscribeCacheEventsRequest, _cache_pb2.SubscribeCacheEventsResponse]  # type: ignore[assignment]
+    """SubscribeCacheEvents streams the prefix cache's changes, so a router can send each request to the server
+    that already holds its prefix. Token-id native: stored blocks carry their token ids and cache salt.
+    The stream: a snapshot (CacheSnapshotPart) when the request asks for one or needs a resync, then one
+    batch per engine step that changed the cache, numbered without gaps, each with the load record, and
+    heartbeats (SubscribeCacheEventsResponse.heartbeat) while nothing changes. It runs until the client
+    cancels it or the server stops (UNAVAILABLE while draining). Several subscribers may stream at once.
+    Resuming: with start_sequence_number N > 0 and this instance's instance_id (or none), the server replays
+    batches N, N+1, ... from its bounded replay buffer, then streams live ones; N = the next number to be
+    published streams live batches only. Resync: when the replay buffer no longer holds batch N (the
+    subscriber fell behind, or was away too long), or instance_id names another instance, the stream starts
+    with a snapshot instead; the subscriber replaces what it knew with it. The engine never waits for a
+    subscriber: one that reads too slowly while streaming, so that the batches it has not read pass the
+    server's bound, has its stream ended with ABORTED, and resubscribes with its cursor + 1 (a replay, or a
+    snapshot). A subscriber SHOULD send instance_id when it resumes, so a restarted server resyncs it.
+    Errors:
+      INVALID_ARGUMENT    start_sequence_number is beyond the next number to be published while instance_id is
+                          this instance's (a number from the future).
+      ABORTED             the subscriber fell behind while streaming (above); resubscribe.
+      RESOURCE_EXHAUSTED  the server's limit of concurrent subscriptions is reached.
+    Without prefix caching (the server's --no-prefix-caching) there are no events: the snapshot is empty and the
+    stream carries heartbeats with the load.
     """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -229,6 +302,54 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_info_pb2.GetLoadResponse, _abc.Awaitable[_info_pb2.GetLoadResponse]]:
         """GetLoad is the cheap call for routers that poll often: running and waiting requests and KV cache usage.
         Like GetServerInfo it answers in every state.
+        """
+
+    @_abc_1.abstractmethod
+    def FlushCache(
+        self,
+        request: _cache_pb2.FlushCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.FlushCacheResponse, _abc.Awaitable[_cache_pb2.FlushCacheResponse]]:
+        """FlushCache empties the prefix cache without preempting or slowing any request: every cached block that no
+        request uses is dropped, and the blocks running requests use stop being reusable (they are freed uncached
+        when their requests end). So no request admitted after the call returns reuses KV computed before the
+        flush: its cached_prompt_tokens counts only blocks stored after it. Running streams go on unchanged.
+        Cache-event subscribers get a `cleared` event. The engine applies the flush between two steps, with
+        --api-workers too (one engine serves every frontend), and the call returns once it is applied, usually
+        within one step; the flush never waits for requests to finish, so it cannot fail for want of an idle
+        engine (smg's FlushCache timeout has nothing to wait for here: use the call's deadline). Idempotent.
+        Errors:
+          DEADLINE_EXCEEDED  the deadline passed before the engine applied the flush; it may still be applied.
+                             Retrying is safe.
+        """
+
+    @_abc_1.abstractmethod
+    def SubscribeCacheEvents(
+        self,
+        request: _cache_pb2.SubscribeCacheEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_cache_pb2.SubscribeCacheEventsResponse], _abc.AsyncIterator[_cache_pb2.SubscribeCacheEventsResponse]]:
+        """SubscribeCacheEvents streams the prefix cache's changes, so a router can send each request to the server
+        that already holds its prefix. Token-id native: stored blocks carry their token ids and cache salt.
+        The stream: a snapshot (CacheSnapshotPart) when the request asks for one or needs a resync, then one
+        batch per engine step that changed the cache, numbered without gaps, each with the load record, and
+        heartbeats (SubscribeCacheEventsResponse.heartbeat) while nothing changes. It runs until the client
+        cancels it or the server stops (UNAVAILABLE while draining). Several subscribers may stream at once.
+        Resuming: with start_sequence_number N > 0 and this instance's instance_id (or none), the server replays
+        batches N, N+1, ... from its bounded replay buffer, then streams live ones; N = the next number to be
+        published streams live batches only. Resync: when the replay buffer no longer holds batch N (the
+        subscriber fell behind, or was away too long), or instance_id names another instance, the stream starts
+        with a snapshot instead; the subscriber replaces what it knew with it. The engine never waits for a
+        subscriber: one that reads too slowly while streaming, so that the batches it has not read pass the
+        server's bound, has its stream ended with ABORTED, and resubscribes with its cursor + 1 (a replay, or a
+        snapshot). A subscriber SHOULD send instance_id when it resumes, so a restarted server resyncs it.
+        Errors:
+          INVALID_ARGUMENT    start_sequence_number is beyond the next number to be published while instance_id is
+                              this instance's (a number from the future).
+          ABORTED             the subscriber fell behind while streaming (above); resubscribe.
+          RESOURCE_EXHAUSTED  the server's limit of concurrent subscriptions is reached.
+        Without prefix caching (the server's --no-prefix-caching) there are no events: the snapshot is empty and the
+        stream carries heartbeats with the load.
         """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -71,6 +71,8 @@ class GenerateRequest(_message.Message):
     STREAM_FIELD_NUMBER: _builtins.int
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id of this request, unique among the server's in-flight requests; used by Abort and in logs.
     Default: empty, and the server assigns a unique id and returns it in every response.
@@ -87,6 +89,30 @@ class GenerateRequest(_message.Message):
     """True: stream tokens as they are generated. False: one response message with the whole result."""
     add_special_tokens: _builtins.bool
     """For `text` input only: add the tokenizer's special tokens (such as BOS). Default: true."""
+    cache_salt: _builtins.str
+    """Cache isolation: the namespace of this request's prefix-cache blocks. Requests with different salts never
+    share a KV block, so one tenant cannot learn from its time to first token whether another tenant sent the
+    same prompt (a timing side channel); requests with the same salt share blocks as unsalted requests do
+    (Usage.cached_prompt_tokens counts only blocks of the same salt). The salt enters the hash of the
+    request's first block, and every later block chains from it. Default: empty, the shared namespace of all
+    unsalted requests. Use a secret value per tenant (a salt another tenant can guess gives no isolation).
+    At most 256 characters; longer is INVALID_ARGUMENT. Cache events (SubscribeCacheEvents) report it with
+    the blocks stored under it.
+    """
+    priority: _builtins.int
+    """Scheduling priority, vLLM's convention: a lower value is served first; requests of equal priority are
+    served first come, first served (by arrival at the engine). Any int32 is valid. Default: 0.
+    Admission: waiting requests (new and preempted ones) are admitted in (priority, arrival) order, and a
+    waiting request that does not fit yet holds back every request after it in that order.
+    Preemption: when the KV cache runs out while running requests grow, the server preempts the running
+    request with the highest priority value first (the latest arrived among equals), which then waits and
+    resumes in (priority, arrival) order; its output so far is kept. A waiting request never preempts a
+    running one: a high-priority request waits for running requests to finish or to be preempted for memory,
+    however long the queue of lower-priority requests behind it is. No starvation guarantee is made: a
+    steady stream of higher-priority requests can keep a lower-priority request waiting indefinitely (its
+    deadline, if any, still ends it). Priority does not change a completion's tokens: a greedy or seeded
+    completion is the same at every priority.
+    """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
         """Token ids, used as they are (no special tokens are added). The fast path: no tokenization on the server."""
@@ -131,10 +157,12 @@ class GenerateRequest(_message.Message):
         stream: _builtins.bool = ...,
         add_special_tokens: _builtins.bool | None = ...,
         structured_output: Global___StructuredOutput | None = ...,
+        cache_salt: _builtins.str = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "output", b"output", "sampling", b"sampling", "stopping", b"stopping", "structured_output", b"structured_output", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "output", b"output", "request_id", b"request_id", "sampling", b"sampling", "stopping", b"stopping", "stream", b"stream", "structured_output", b"structured_output", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "output", b"output", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling", "stopping", b"stopping", "stream", b"stream", "structured_output", b"structured_output", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
     _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015

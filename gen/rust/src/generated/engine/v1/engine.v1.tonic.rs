@@ -312,6 +312,92 @@ pub mod engine_service_client {
                 .insert(GrpcMethod::new("engine.v1.EngineService", "GetLoad"));
             self.inner.unary(req, path, codec).await
         }
+        /** FlushCache empties the prefix cache without preempting or slowing any request: every cached block that no
+ request uses is dropped, and the blocks running requests use stop being reusable (they are freed uncached
+ when their requests end). So no request admitted after the call returns reuses KV computed before the
+ flush: its cached_prompt_tokens counts only blocks stored after it. Running streams go on unchanged.
+ Cache-event subscribers get a `cleared` event. The engine applies the flush between two steps, with
+ --api-workers too (one engine serves every frontend), and the call returns once it is applied, usually
+ within one step; the flush never waits for requests to finish, so it cannot fail for want of an idle
+ engine (smg's FlushCache timeout has nothing to wait for here: use the call's deadline). Idempotent.
+ Errors:
+   DEADLINE_EXCEEDED  the deadline passed before the engine applied the flush; it may still be applied.
+                      Retrying is safe.
+*/
+        pub async fn flush_cache(
+            &mut self,
+            request: impl tonic::IntoRequest<super::FlushCacheRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::FlushCacheResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/engine.v1.EngineService/FlushCache",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("engine.v1.EngineService", "FlushCache"));
+            self.inner.unary(req, path, codec).await
+        }
+        /** SubscribeCacheEvents streams the prefix cache's changes, so a router can send each request to the server
+ that already holds its prefix. Token-id native: stored blocks carry their token ids and cache salt.
+ The stream: a snapshot (CacheSnapshotPart) when the request asks for one or needs a resync, then one
+ batch per engine step that changed the cache, numbered without gaps, each with the load record, and
+ heartbeats (SubscribeCacheEventsResponse.heartbeat) while nothing changes. It runs until the client
+ cancels it or the server stops (UNAVAILABLE while draining). Several subscribers may stream at once.
+ Resuming: with start_sequence_number N > 0 and this instance's instance_id (or none), the server replays
+ batches N, N+1, ... from its bounded replay buffer, then streams live ones; N = the next number to be
+ published streams live batches only. Resync: when the replay buffer no longer holds batch N (the
+ subscriber fell behind, or was away too long), or instance_id names another instance, the stream starts
+ with a snapshot instead; the subscriber replaces what it knew with it. The engine never waits for a
+ subscriber: one that reads too slowly while streaming, so that the batches it has not read pass the
+ server's bound, has its stream ended with ABORTED, and resubscribes with its cursor + 1 (a replay, or a
+ snapshot). A subscriber SHOULD send instance_id when it resumes, so a restarted server resyncs it.
+ Errors:
+   INVALID_ARGUMENT    start_sequence_number is beyond the next number to be published while instance_id is
+                       this instance's (a number from the future).
+   ABORTED             the subscriber fell behind while streaming (above); resubscribe.
+   RESOURCE_EXHAUSTED  the server's limit of concurrent subscriptions is reached.
+ Without prefix caching (the server's --no-prefix-caching) there are no events: the snapshot is empty and the
+ stream carries heartbeats with the load.
+*/
+        pub async fn subscribe_cache_events(
+            &mut self,
+            request: impl tonic::IntoRequest<super::SubscribeCacheEventsRequest>,
+        ) -> std::result::Result<
+            tonic::Response<
+                tonic::codec::Streaming<super::SubscribeCacheEventsResponse>,
+            >,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/engine.v1.EngineService/SubscribeCacheEvents",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(
+                    GrpcMethod::new("engine.v1.EngineService", "SubscribeCacheEvents"),
+                );
+            self.inner.server_streaming(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -411,6 +497,63 @@ pub mod engine_service_server {
             &self,
             request: tonic::Request<super::GetLoadRequest>,
         ) -> std::result::Result<tonic::Response<super::GetLoadResponse>, tonic::Status>;
+        /** FlushCache empties the prefix cache without preempting or slowing any request: every cached block that no
+ request uses is dropped, and the blocks running requests use stop being reusable (they are freed uncached
+ when their requests end). So no request admitted after the call returns reuses KV computed before the
+ flush: its cached_prompt_tokens counts only blocks stored after it. Running streams go on unchanged.
+ Cache-event subscribers get a `cleared` event. The engine applies the flush between two steps, with
+ --api-workers too (one engine serves every frontend), and the call returns once it is applied, usually
+ within one step; the flush never waits for requests to finish, so it cannot fail for want of an idle
+ engine (smg's FlushCache timeout has nothing to wait for here: use the call's deadline). Idempotent.
+ Errors:
+   DEADLINE_EXCEEDED  the deadline passed before the engine applied the flush; it may still be applied.
+                      Retrying is safe.
+*/
+        async fn flush_cache(
+            &self,
+            request: tonic::Request<super::FlushCacheRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::FlushCacheResponse>,
+            tonic::Status,
+        >;
+        /// Server streaming response type for the SubscribeCacheEvents method.
+        type SubscribeCacheEventsStream: tonic::codegen::tokio_stream::Stream<
+                Item = std::result::Result<
+                    super::SubscribeCacheEventsResponse,
+                    tonic::Status,
+                >,
+            >
+            + std::marker::Send
+            + 'static;
+        /** SubscribeCacheEvents streams the prefix cache's changes, so a router can send each request to the server
+ that already holds its prefix. Token-id native: stored blocks carry their token ids and cache salt.
+ The stream: a snapshot (CacheSnapshotPart) when the request asks for one or needs a resync, then one
+ batch per engine step that changed the cache, numbered without gaps, each with the load record, and
+ heartbeats (SubscribeCacheEventsResponse.heartbeat) while nothing changes. It runs until the client
+ cancels it or the server stops (UNAVAILABLE while draining). Several subscribers may stream at once.
+ Resuming: with start_sequence_number N > 0 and this instance's instance_id (or none), the server replays
+ batches N, N+1, ... from its bounded replay buffer, then streams live ones; N = the next number to be
+ published streams live batches only. Resync: when the replay buffer no longer holds batch N (the
+ subscriber fell behind, or was away too long), or instance_id names another instance, the stream starts
+ with a snapshot instead; the subscriber replaces what it knew with it. The engine never waits for a
+ subscriber: one that reads too slowly while streaming, so that the batches it has not read pass the
+ server's bound, has its stream ended with ABORTED, and resubscribes with its cursor + 1 (a replay, or a
+ snapshot). A subscriber SHOULD send instance_id when it resumes, so a restarted server resyncs it.
+ Errors:
+   INVALID_ARGUMENT    start_sequence_number is beyond the next number to be published while instance_id is
+                       this instance's (a number from the future).
+   ABORTED             the subscriber fell behind while streaming (above); resubscribe.
+   RESOURCE_EXHAUSTED  the server's limit of concurrent subscriptions is reached.
+ Without prefix caching (the server's --no-prefix-caching) there are no events: the snapshot is empty and the
+ stream carries heartbeats with the load.
+*/
+        async fn subscribe_cache_events(
+            &self,
+            request: tonic::Request<super::SubscribeCacheEventsRequest>,
+        ) -> std::result::Result<
+            tonic::Response<Self::SubscribeCacheEventsStream>,
+            tonic::Status,
+        >;
     }
     /** EngineService runs inference on one loaded model.
 */
@@ -845,6 +988,102 @@ pub mod engine_service_server {
                                 max_encoding_message_size,
                             );
                         let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/engine.v1.EngineService/FlushCache" => {
+                    #[allow(non_camel_case_types)]
+                    struct FlushCacheSvc<T: EngineService>(pub Arc<T>);
+                    impl<
+                        T: EngineService,
+                    > tonic::server::UnaryService<super::FlushCacheRequest>
+                    for FlushCacheSvc<T> {
+                        type Response = super::FlushCacheResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::FlushCacheRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as EngineService>::flush_cache(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = FlushCacheSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/engine.v1.EngineService/SubscribeCacheEvents" => {
+                    #[allow(non_camel_case_types)]
+                    struct SubscribeCacheEventsSvc<T: EngineService>(pub Arc<T>);
+                    impl<
+                        T: EngineService,
+                    > tonic::server::ServerStreamingService<
+                        super::SubscribeCacheEventsRequest,
+                    > for SubscribeCacheEventsSvc<T> {
+                        type Response = super::SubscribeCacheEventsResponse;
+                        type ResponseStream = T::SubscribeCacheEventsStream;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::ResponseStream>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::SubscribeCacheEventsRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as EngineService>::subscribe_cache_events(
+                                        &inner,
+                                        request,
+                                    )
+                                    .await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = SubscribeCacheEventsSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.server_streaming(method, req).await;
                         Ok(res)
                     };
                     Box::pin(fut)
