@@ -7,7 +7,7 @@ import tracemalloc
 from collections import OrderedDict
 
 import pytest
-from engine_server.engine.block_manager import BlockManager, FreeBlocks
+from engine_server.engine.block_manager import BlockManager, FreeBlocks, cache_root
 from engine_server.engine.sequence import Sequence
 from engine_server.engine.types import SamplingParams
 
@@ -168,3 +168,48 @@ def test_the_free_list_allocates_nothing_as_blocks_come_and_go() -> None:
         tracemalloc.stop()
     assert current - start < 16_384, (start, current)
     assert peak - start < 16_384, (start, peak)
+
+
+def _salted(seq_id: int, tokens: list[int], salt: str) -> Sequence:
+    seq = _seq(seq_id, tokens)
+    seq.cache_root = cache_root(salt)
+    return seq
+
+
+def test_blocks_are_shared_within_a_cache_salt_and_never_across_salts() -> None:
+    bm = BlockManager(32, 4, enable_prefix_caching=True)
+    prompt = list(range(13))
+    _compute_all(bm, _salted(0, prompt, "tenant-a"))
+    assert len(bm.match_prefix(_salted(1, prompt, "tenant-a"))[0]) == 3
+    assert bm.match_prefix(_salted(2, prompt, "tenant-b"))[0] == []
+    assert bm.match_prefix(_salted(3, prompt, ""))[0] == []  # the shared namespace is a namespace too
+    _compute_all(bm, _salted(4, prompt, ""))
+    assert len(bm.match_prefix(_salted(5, prompt, ""))[0]) == 3
+    assert bm.match_prefix(_salted(6, prompt, "tenant-b"))[0] == []
+
+
+def test_the_cache_root_is_stable_and_distinct_from_the_shared_root() -> None:
+    assert cache_root("") == 0
+    assert cache_root("tenant-a") == cache_root("tenant-a") != 0  # a digest, not the per-process hash()
+    assert cache_root("tenant-a") != cache_root("tenant-b")
+
+
+def test_flush_forgets_free_and_used_cached_blocks_without_freeing_any() -> None:
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    finished, running = _seq(0, list(range(9))), _seq(1, list(range(100, 109)))
+    _compute_all(bm, finished)
+    _compute_all(bm, running)
+    bm.free(finished)
+    num_free = bm.num_free_blocks
+    assert bm.flush() == 4  # two full blocks each
+    assert bm.num_free_blocks == num_free
+    assert len(running.block_table) == 3
+    assert bm.match_prefix(_seq(2, list(range(9))))[0] == []
+    assert bm.match_prefix(_seq(3, list(range(100, 109))))[0] == []
+    bm.free(running)  # freed uncached: still no hit
+    assert bm.match_prefix(_seq(4, list(range(100, 109))))[0] == []
+    assert bm.num_free_blocks == 16
+    assert bm.flush() == 0
+    # The cache works again after a flush.
+    _compute_all(bm, _seq(5, list(range(9))))
+    assert len(bm.match_prefix(_seq(6, list(range(9))))[0]) == 2

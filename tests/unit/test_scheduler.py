@@ -1,4 +1,4 @@
-"""Scheduler: token budget (chunked prefill), FIFO admission, preemption of the youngest."""
+"""Scheduler: token budget (chunked prefill), admission and preemption by (priority, arrival)."""
 
 from __future__ import annotations
 
@@ -86,3 +86,83 @@ def test_prefix_cache_hits_are_counted_on_admission() -> None:
     assert scheduled_b.start == 8
     assert scheduled_b.num_new_tokens == 1
     assert sched.num_prefix_cache_hit_tokens == 8
+
+
+def _prio(seq_id: int, num_tokens: int, priority: int) -> Sequence:
+    seq = _seq(seq_id, num_tokens)
+    seq.priority = priority
+    seq.arrival = seq_id
+    return seq
+
+
+def test_waiting_sequences_are_admitted_by_priority_then_arrival() -> None:
+    sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), max_num_seqs=8,
+                      max_num_batched_tokens=100)
+    for seq_id, priority in [(0, 5), (1, 0), (2, 5), (3, -1), (4, 0), (5, 5)]:
+        sched.add(_prio(seq_id, 4, priority))
+    assert [s.seq_id for s in sched.waiting] == [3, 1, 4, 0, 2, 5]
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [3, 1, 4, 0, 2, 5]
+
+
+def test_a_waiting_request_that_does_not_fit_holds_back_lower_priorities() -> None:
+    sched = Scheduler(BlockManager(4, 4, enable_prefix_caching=False), max_num_seqs=8,
+                      max_num_batched_tokens=100)
+    sched.add(_prio(0, 8, 1))
+    _finish_step(sched, sched.schedule())  # 3 of 4 blocks in use
+    sched.add(_prio(1, 8, 0))  # needs 2 blocks: waits
+    sched.add(_prio(2, 2, 2))  # would fit, but comes after it
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [0]
+    assert [s.seq_id for s in sched.waiting] == [1, 2]
+
+
+def test_the_lowest_priority_running_sequence_is_preempted_first() -> None:
+    bm = BlockManager(6, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    low, high, mid = _prio(0, 8, 9), _prio(1, 8, 0), _prio(2, 8, 5)
+    for seq in (low, high, mid):
+        sched.add(seq)
+    _finish_step(sched, sched.schedule())  # 9 tokens each: each needs a third block, none is free
+    assert [s.seq_id for s in sched.running] == [1, 2, 0]  # admitted by priority
+    out = sched.schedule()
+    # The lowest priority goes first although it was admitted last... then the next lowest.
+    assert [s.seq.seq_id for s in out.scheduled] == [1, 2]
+    assert [s.seq_id for s in sched.waiting] == [0]
+    assert out.num_preempted == 1
+
+
+def test_a_preempted_sequence_already_scheduled_this_step_is_taken_back() -> None:
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    low = _prio(0, 4, 9)
+    sched.add(low)
+    _finish_step(sched, sched.schedule())  # low: 5 tokens, 2 blocks
+    high = _prio(1, 4, 0)
+    sched.add(high)
+    _finish_step(sched, sched.schedule())  # high admitted after low: running [low, high], 3 blocks used
+    low.token_ids.extend([7] * 3)  # low grows to a third block in this step, scheduled first
+    high.token_ids.extend([7] * 3)
+    out = sched.schedule()
+    # low was scheduled (it got its third block), then high ran out: low is the victim and its work is
+    # taken back, so high runs alone and the budget holds only high's tokens.
+    assert [s.seq.seq_id for s in out.scheduled] == [1]
+    assert out.num_batched_tokens == out.scheduled[0].num_new_tokens
+    assert low.status is SequenceStatus.WAITING
+    assert low.block_table == []
+    assert bm.num_free_blocks == 4 - len(high.block_table)
+
+
+def test_equal_priorities_keep_first_come_first_served_and_preempt_the_youngest() -> None:
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    old, young = _prio(0, 8, 3), _prio(1, 8, 3)
+    sched.add(old)
+    sched.add(young)
+    _finish_step(sched, sched.schedule())
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [0]
+    assert sched.waiting[0] is young
+    newer = _prio(2, 4, 3)
+    sched.add(newer)
+    assert [s.seq_id for s in sched.waiting] == [1, 2]  # the preempted one keeps its place by arrival

@@ -3,10 +3,13 @@
 A full, computed block is registered under a chained hash of (previous block's hash, its tokens),
 so a later sequence with the same prefix reuses it. Freed blocks keep their hash until they are
 handed out again: a preempted or finished sequence's prefix stays reusable while memory allows.
+A sequence's first block chains from its cache root (0, or its request's cache salt hashed), so
+requests with different salts never share a block: the lookup walks from the first block.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
 from engine_server.engine.sequence import Sequence
@@ -14,6 +17,18 @@ from engine_server.engine.sequence import Sequence
 
 def chain_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
+
+
+def cache_root(cache_salt: str) -> int:
+    """The parent hash of a sequence's first block: 0 for the shared namespace, else the salt's digest.
+
+    NOTE: a stable digest, not hash(str), which differs between processes (PYTHONHASHSEED); 0 is never a
+    salted root, so a salted chain cannot meet the shared one at its first block.
+    """
+    if not cache_salt:
+        return 0
+    digest = hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"cache_salt").digest()
+    return int.from_bytes(digest, "little", signed=True) or 1
 
 
 class FreeBlocks:
@@ -109,7 +124,7 @@ class BlockManager:
             return [], []
         block_ids: list[int] = []
         hashes: list[int] = []
-        parent = 0
+        parent = seq.cache_root
         size = self.block_size
         for start in range(0, seq.num_tokens - 1 - size + 1, size):
             tokens = tuple(seq.token_ids[start:start + size])
@@ -158,7 +173,7 @@ class BlockManager:
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
             tokens = tuple(seq.token_ids[i * size:(i + 1) * size])
-            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else 0, tokens)
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else seq.cache_root, tokens)
             seq.block_hashes.append(h)
             if not self.enable_prefix_caching:
                 continue
@@ -185,6 +200,22 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+
+    # 3) flush
+    def flush(self) -> int:
+        """Forgets every cached block; returns how many there were. Nothing is preempted or freed.
+
+        Free cached blocks become plain free blocks; blocks in use keep their owners and content but are no
+        longer found by a lookup (and are freed uncached), so nothing computed before the flush is reused.
+        A running sequence's later blocks are still registered, but a lookup walks from a sequence's first
+        block, so they cannot be reached until that block is stored again.
+        """
+        num_flushed = len(self.hash_to_block)
+        for block_id in self.hash_to_block.values():
+            self.block_hash[block_id] = None
+            self.block_tokens[block_id] = None
+        self.hash_to_block.clear()
+        return num_flushed
 
     def _take_free_block(self) -> int:
         block_id = self.free_block_ids.pop_oldest()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine_server.engine.block_manager import BlockManager
+from engine_server.engine.block_manager import BlockManager, cache_root
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.loader import LoadedModel, load_model
 from engine_server.engine.model_info import ModelInfo
@@ -162,10 +162,12 @@ class LLMEngine:
         if request.params.seed is not None:
             generator = torch.Generator(device=self._loaded.device)
             generator.manual_seed(index_seed(request.params.seed, index))
-        return Sequence(seq_id=next(self._seq_ids), request_id=request.request_id, index=index,
+        seq_id = next(self._seq_ids)
+        return Sequence(seq_id=seq_id, request_id=request.request_id, index=index,
                         params=request.params, token_ids=token_ids,
                         num_prompt_tokens=len(request.prompt_token_ids), max_tokens=max_tokens,
-                        generator=generator)
+                        generator=generator, priority=request.priority, arrival=seq_id,
+                        cache_root=cache_root(request.cache_salt))
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:
         found = [rid for rid in request_ids if rid in self._requests and rid not in self._pending_aborts]
@@ -208,6 +210,10 @@ class LLMEngine:
             num_prefix_cache_hit_tokens=self.scheduler.num_prefix_cache_hit_tokens,
             num_running_completions=len(running),
         )
+
+    def flush_cache(self) -> int:
+        """Empties the prefix cache between two steps; nothing is preempted (block_manager.flush)."""
+        return self.block_manager.flush()
 
     def embed(self, inputs: list[list[int]], *, normalize: bool) -> list[list[float]]:
         if self._loaded.embedder is None:
@@ -335,6 +341,7 @@ class LLMEngine:
             if index in state.finished_indices:  # aborted before it existed
                 continue
             child = self._new_sequence(state.request, index, list(parent.token_ids), parent.max_tokens)
+            child.arrival = parent.arrival  # NOTE: the request's place in the queue, not the fork's
             if parent.is_grammar_stuck:  # (its row's empty mask ends the child too)
                 child.is_grammar_stuck = True
             elif parent.matcher is not None:  # NOTE: forked before the parent's first token: the start state

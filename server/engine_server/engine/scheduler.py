@@ -1,13 +1,16 @@
 """Decides, each step, which sequences compute how many tokens (prefill chunks and decodes mixed).
 
-Policy (vLLM v1 / nano-vllm): running sequences first, oldest first, each asking for all its
-uncomputed tokens within the step's token budget; when KV blocks run out, the youngest running
-sequence is preempted (blocks freed, recomputed later). Then waiting sequences are admitted
-in FIFO order while budget, sequence slots and blocks allow, reusing prefix-cached blocks.
+Policy (vLLM v1 / nano-vllm, with vLLM's priority order): running sequences first, in admission
+order, each asking for all its uncomputed tokens within the step's token budget; when KV blocks run
+out, the running sequence last in (priority, arrival) order is preempted (blocks freed, recomputed
+later). Then waiting sequences are admitted in (priority, arrival) order while budget, sequence
+slots and blocks allow, reusing prefix-cached blocks; the first that does not fit holds back the
+rest. A waiting sequence never preempts a running one (vLLM v1 neither).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -43,7 +46,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # NOTE: kept sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # oldest admission first
         self.num_preemptions = 0
         self.num_prefix_cache_hit_tokens = 0
@@ -53,12 +56,18 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def add(self, seq: Sequence, *, front: bool = False) -> None:
+    def add(self, seq: Sequence) -> None:
+        """Queues a new or preempted sequence at its (priority, arrival) place."""
         seq.status = SequenceStatus.WAITING
-        if front:
-            self.waiting.appendleft(seq)
+        waiting = self.waiting
+        # NOTE: the common cases in O(1): a new arrival of the last priority, a preempted one of the first
+        key = seq.sort_key
+        if not waiting or waiting[-1].sort_key <= key:
+            waiting.append(seq)
+        elif key <= waiting[0].sort_key:
+            waiting.appendleft(seq)
         else:
-            self.waiting.append(seq)
+            waiting.insert(bisect.bisect_right(waiting, key, key=_sort_key), seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -76,14 +85,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        # 1) running sequences, oldest first; preempt the youngest when blocks run out
+        # 1) running sequences, oldest admission first; when blocks run out, preempt the last in
+        #    (priority, arrival) order, even one already scheduled this step (its work is taken back)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             start = seq.num_computed_tokens
             while not self.block_manager.ensure_blocks(seq, start + num_new):
-                victim = self.running.pop()
+                victim = self._pick_victim()
+                victim_pos = self.running.index(victim)
+                del self.running[victim_pos]
+                if victim_pos < i:  # scheduled already: unschedule it; seq moved up one
+                    budget += _unschedule(out, victim)
+                    i -= 1
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is seq:
@@ -118,7 +133,24 @@ class Scheduler:
         self.num_preemptions += out.num_preempted
         return out
 
+    def _pick_victim(self) -> Sequence:
+        """The running sequence to preempt: the last in (priority, arrival) order (youngest if all equal)."""
+        return max(self.running, key=_sort_key)
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.reset_for_recompute()
-        self.add(seq, front=True)
+        self.add(seq)
+
+
+def _sort_key(seq: Sequence) -> tuple[int, int, int]:
+    return seq.sort_key
+
+
+def _unschedule(out: SchedulerOutput, seq: Sequence) -> int:
+    """Takes seq's work out of this step; returns its tokens (back into the budget)."""
+    for pos, scheduled in enumerate(out.scheduled):
+        if scheduled.seq is seq:
+            del out.scheduled[pos]
+            return scheduled.num_new_tokens
+    raise RuntimeError("a running sequence before the cursor was not scheduled")

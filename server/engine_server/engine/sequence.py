@@ -37,6 +37,11 @@ class Sequence:
     num_prompt_tokens: int
     max_tokens: int  # resolved: never None, never past max_model_len
     generator: torch.Generator | None = None  # set for seeded requests
+    # The request's scheduling order: (priority, arrival); arrival is index 0's seq_id, so siblings share it.
+    priority: int = 0
+    arrival: int = 0
+    # The parent hash of its first KV block: 0, or seeded by the request's cache salt (block_manager.py).
+    cache_root: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -54,6 +59,11 @@ class Sequence:
     matcher: LLMatcher | None = None
     # llguidance never returned this completion's mask: a stuck call holds the matcher; never touched again
     is_grammar_stuck: bool = False
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: lower priority value first, then earlier arrival (request), then seq_id."""
+        return (self.priority, self.arrival, self.seq_id)
 
     @property
     def num_tokens(self) -> int:

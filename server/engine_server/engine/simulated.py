@@ -106,6 +106,9 @@ class SimulatedEngine:
     def embed(self, inputs: list[list[int]], *, normalize: bool) -> list[list[float]]:
         raise RequestError("model", "the simulated engine does not embed")
 
+    def flush_cache(self) -> int:
+        return 0  # it keeps no KV cache
+
     def pop_rejected(self) -> list[tuple[str, RequestError]]:
         return []  # it refuses constraints at admission (add_request)
 

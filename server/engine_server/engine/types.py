@@ -219,9 +219,14 @@ class EngineRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     structured_output: StructuredOutput | None = None
+    # The prefix cache's namespace: requests with different salts never share KV blocks ("" = shared).
+    cache_salt: str = ""
+    # Lower is served first (vLLM's convention); equal priorities first come, first served.
+    priority: int = 0
 
     def __reduce__(self) -> tuple[type[EngineRequest], tuple[object, ...]]:
-        return EngineRequest, (self.request_id, self.prompt_token_ids, self.params, self.structured_output)
+        return EngineRequest, (self.request_id, self.prompt_token_ids, self.params, self.structured_output,
+                               self.cache_salt, self.priority)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.types import EngineRequest, RequestError, SamplingParams
 
 MAX_REQUEST_ID_LEN = 256
+MAX_CACHE_SALT_LEN = 256  # the engine.v1 contract's bound
 
 
 def _check_token_ids(field_name: str, token_ids: tuple[int, ...], vocab_size: int) -> None:
@@ -29,6 +30,11 @@ def validate_request(request: EngineRequest, info: ModelInfo) -> None:
         raise RequestError("request_id", "must be a non-empty string")
     if len(request.request_id) > MAX_REQUEST_ID_LEN:
         raise RequestError("request_id", f"must be at most {MAX_REQUEST_ID_LEN} characters")
+    if not isinstance(request.cache_salt, str) or len(request.cache_salt) > MAX_CACHE_SALT_LEN:
+        raise RequestError("cache_salt", f"must be a string of at most {MAX_CACHE_SALT_LEN} characters")
+    # NOTE: bool is an int subclass; a bool priority is a caller bug.
+    if type(request.priority) is not int:
+        raise RequestError("priority", f"must be an integer, got {request.priority!r}")
     if info.task != "generate":
         raise RequestError("model", f"{info.model_path!r} is an embedding model; it cannot generate")
     if not isinstance(request.params, SamplingParams):
