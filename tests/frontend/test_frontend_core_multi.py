@@ -11,6 +11,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
+from engine_server.core.loop import CoreLoop
 from engine_server.core.messages import (
     AbortCommand,
     AbortCompletionsCommand,
@@ -20,7 +21,6 @@ from engine_server.core.messages import (
     ShutdownCommand,
     StepOutput,
 )
-from engine_server.core.multi import _MultiCoreLoop
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.types import EngineDead, EngineRequest, FinishReason, SamplingParams
 from engine_server.frontend.async_engine import AsyncEngine
@@ -70,7 +70,7 @@ def _finishes(conn: Connection, request_id: str) -> list[FinishReason]:
 def test_unexpected_admission_error_rejects_only_that_request(tmp_path: object) -> None:
     engine = _AdmissionBugEngine(fake_config(tmp_path), vocab_size=64)
     frontend, core = Pipe()
-    loop = _MultiCoreLoop(engine, [core])
+    loop = CoreLoop(engine, [core])
     runner = threading.Thread(target=loop.run, daemon=True)
     runner.start()
     params = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -90,7 +90,7 @@ def test_unexpected_admission_error_rejects_only_that_request(tmp_path: object) 
 def test_a_single_completion_is_aborted_under_the_frontends_prefix(tmp_path: object) -> None:
     engine = FakeCore(fake_config(tmp_path), vocab_size=64)
     (primary, primary_core), (worker, worker_core) = Pipe(), Pipe()
-    loop = _MultiCoreLoop(engine, [primary_core, worker_core])
+    loop = CoreLoop(engine, [primary_core, worker_core])
     runner = threading.Thread(target=loop.run, daemon=True)
     runner.start()
     # "gate": completions 1 and 2 run only after the core has dropped completion 0, which never ends alone
@@ -116,7 +116,7 @@ def test_a_single_completion_is_aborted_under_the_frontends_prefix(tmp_path: obj
 def test_abort_elsewhere_ends_the_request_another_frontend_runs(tmp_path: object) -> None:
     engine = FakeCore(fake_config(tmp_path), vocab_size=64)
     (primary, primary_core), (worker, worker_core) = Pipe(), Pipe()
-    loop = _MultiCoreLoop(engine, [primary_core, worker_core])
+    loop = CoreLoop(engine, [primary_core, worker_core])
     runner = threading.Thread(target=loop.run, daemon=True)
     runner.start()
     # "gate" with n=1 holds (running, silent) after max_tokens until aborted; both frontends use the same id.

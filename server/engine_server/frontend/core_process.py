@@ -91,16 +91,15 @@ class CoreClient:
         if in_process:
             parent, child = multiprocessing.Pipe(duplex=True)
             thread = threading.Thread(
-                target=run_core, args=(child, config, engine_factory), name="engine-core", daemon=True
+                target=run_core, args=([child], config, engine_factory), name="engine-core", daemon=True
             )
             thread.start()
         else:
             # NOTE: "spawn", not fork: the parent runs an event loop and threads; torch is not fork-safe.
             ctx = multiprocessing.get_context("spawn")
             parent, child = ctx.Pipe(duplex=True)
-            process = ctx.Process(
-                target=run_core_process, args=(child, config, engine_factory), name="engine-core", daemon=True
-            )
+            process = ctx.Process(target=run_core_process, args=([child], config, engine_factory),
+                                  name="engine-core", daemon=True)
             with core_environment():
                 process.start()
             child.close()  # else the parent holds the child's end and never sees EOF when the core dies

@@ -1,6 +1,6 @@
 """Several frontend processes over one engine core (`engine-server --api-workers N`): the frontend side.
 
-The primary frontend starts the shared core (core/multi.py) with one pipe per frontend and gets an
+The primary frontend starts the shared core (core/loop.py) with one pipe per frontend and gets an
 `AsyncEngine` on pipe 0; it hands the other pipes to its worker processes, which `attach_engine` to theirs
 (a worker started later, in place of one that died, gets a new pipe: `PrimaryEngine.new_frontend_pipe`).
 Everything above the pipe (detokenizer, stop strings, coalescing) is the ordinary AsyncEngine; only `abort`
@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
-from engine_server.core.loop import EngineFactory, default_engine_factory
+from engine_server.core.control import send_frontend_pipe
+from engine_server.core.loop import EngineFactory, default_engine_factory, run_core_process
 from engine_server.core.messages import AbortElsewhereCommand, LoadFailed, Ready
-from engine_server.core.multi import run_multi_core_process, send_frontend_pipe
 from engine_server.engine.types import EngineDead
 from engine_server.frontend.async_engine import AsyncEngine
 from engine_server.frontend.core_process import CoreClient, CoreGone, EngineLoadError, core_environment
@@ -104,7 +104,7 @@ async def start_shared_core(
     children = [child for _, child in pairs]
     # NOTE: SOCK_SEQPACKET: one control message per frontend, each with its descriptor, never merged
     control, core_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    process = ctx.Process(target=run_multi_core_process, name="engine-core", daemon=True,
+    process = ctx.Process(target=run_core_process, name="engine-core", daemon=True,
                           args=(children, config, engine_factory, core_control))
     with core_environment():  # e.g. passive OpenMP waiting: see core_process.py
         process.start()
