@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 
+from engine_server.engine.kv_events import CacheEventLog
 from engine_server.engine.sequence import Sequence
 
 
@@ -106,6 +107,11 @@ class BlockManager:
         # block takes it out of the middle, which a deque did by a scan of every free block (~5% of a step
         # with 16k blocks when a wave of prompts hit the cache; a GPU's cache has 10x the blocks).
         self.free_block_ids = FreeBlocks(num_blocks)
+        # Cache events (kv_events.py), recorded only while someone subscribes; a cached block's parent hash
+        # (None: it starts its sequence) and salt, kept always, for the snapshot a new subscriber starts with.
+        self.cache_events = CacheEventLog()
+        self.block_parent: list[int | None] = [None] * num_blocks
+        self.block_salt: list[str] = [""] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -169,6 +175,7 @@ class BlockManager:
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publishes seq's newly full, computed blocks in the prefix cache."""
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        num_known = len(seq.block_hashes)
         size = self.block_size
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
@@ -182,6 +189,43 @@ class BlockManager:
                 self.hash_to_block[h] = block_id
                 self.block_hash[block_id] = h
                 self.block_tokens[block_id] = tokens
+        if num_full > num_known and self.enable_prefix_caching:
+            self._note_stored(seq, num_known, num_full)
+
+    def _note_stored(self, seq: Sequence, first: int, end: int) -> None:
+        """Blocks first..end-1 of seq just got their hashes: remember the parent and salt of those this call
+        cached (others held the same hash already) and, while recording, report each run of them as one
+        stored event."""
+        block_hash, block_table, hashes = self.block_hash, seq.block_table, seq.block_hashes
+        salt = seq.cache_salt
+        log = self.cache_events if self.cache_events.is_recording else None
+        run: list[int] = []
+        run_start = first
+        for i in range(first, end):
+            block_id = block_table[i]
+            if block_hash[block_id] != hashes[i]:  # not cached by this call: a run ends here
+                if run and log is not None:
+                    self._log_run(log, seq, run_start, run)
+                run = []
+                run_start = i + 1
+                continue
+            self.block_parent[block_id] = hashes[i - 1] if i else None
+            self.block_salt[block_id] = salt
+            run.append(block_id)
+        if run and log is not None:
+            self._log_run(log, seq, run_start, run)
+
+    def _log_run(self, log: CacheEventLog, seq: Sequence, start: int, block_ids: list[int]) -> None:
+        tokens = self.block_tokens
+        log.stored(seq.block_hashes[start:start + len(block_ids)],
+                   seq.block_hashes[start - 1] if start else None,
+                   [t for b in block_ids if (t := tokens[b]) is not None], seq.cache_salt)
+
+    def cached_blocks(self) -> list[tuple[int, int | None, tuple[int, ...], str]]:
+        """Every cached block as (hash, parent hash, tokens, salt): what a snapshot lists."""
+        parent, tokens, salt = self.block_parent, self.block_tokens, self.block_salt
+        return [(h, parent[b], t, salt[b])
+                for h, b in self.hash_to_block.items() if (t := tokens[b]) is not None]
 
     def share(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
         """Gives child the parent's first num_blocks (full, computed) blocks: n>1 shares the prompt."""
@@ -215,6 +259,8 @@ class BlockManager:
             self.block_hash[block_id] = None
             self.block_tokens[block_id] = None
         self.hash_to_block.clear()
+        if self.cache_events.is_recording:
+            self.cache_events.cleared()
         return num_flushed
 
     def _take_free_block(self) -> int:
@@ -223,6 +269,8 @@ class BlockManager:
         if h is not None:  # evict its cached content
             if self.hash_to_block.get(h) == block_id:
                 del self.hash_to_block[h]
+                if self.cache_events.is_recording:
+                    self.cache_events.removed(h)
             self.block_hash[block_id] = None
             self.block_tokens[block_id] = None
         self.ref_counts[block_id] = 1

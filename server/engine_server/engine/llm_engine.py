@@ -167,7 +167,7 @@ class LLMEngine:
                         params=request.params, token_ids=token_ids,
                         num_prompt_tokens=len(request.prompt_token_ids), max_tokens=max_tokens,
                         generator=generator, priority=request.priority, arrival=seq_id,
-                        cache_root=cache_root(request.cache_salt))
+                        cache_root=cache_root(request.cache_salt), cache_salt=request.cache_salt)
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:
         found = [rid for rid in request_ids if rid in self._requests and rid not in self._pending_aborts]
