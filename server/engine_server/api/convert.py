@@ -12,20 +12,20 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine_server.api.text_input import Tokenization, check_text_fits, nested_string_sizes, string_field_size
-from engine_server.engine.types import (
+from engine_server.frontend.outputs import GenerateRequest
+from engine_server.frontend.types import (
     RequestError,
     SamplingParams,
     StructuralTagItem,
     StructuredOutput,
     StructuredOutputKind,
 )
-from engine_server.frontend.outputs import GenerateRequest
 
 if TYPE_CHECKING:
     from engine_proto.engine.v1 import embed_pb2, generate_pb2, tokenize_pb2
 
     from engine_server.api.handle import TokenizerHandle
-    from engine_server.engine.model_info import ModelInfo
+    from engine_server.frontend.types import ModelInfo
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_N = 16

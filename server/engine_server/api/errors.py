@@ -13,7 +13,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from engine_server.api.convert import proto_field_name
-from engine_server.engine.types import EngineDead, EngineOverloaded, RequestError
+from engine_server.frontend.types import EngineDead, EngineOverloaded, RequestError
 
 logger = logging.getLogger(__name__)
 

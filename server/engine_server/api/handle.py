@@ -9,8 +9,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from engine_server.engine.model_info import ModelInfo
-    from engine_server.engine.types import EngineStats
     from engine_server.frontend.outputs import (
         EngineState,
         GenerateOutput,
@@ -18,6 +16,7 @@ if TYPE_CHECKING:
         OutputSink,
         PlainSink,
     )
+    from engine_server.frontend.types import EngineStats, ModelInfo
 
 _T = TypeVar("_T")
 

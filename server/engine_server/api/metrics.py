@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from grpclib.server import Server
     from prometheus_client.core import Metric
 
-    from engine_server.engine.types import EngineStats
+    from engine_server.frontend.types import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

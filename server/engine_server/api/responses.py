@@ -12,12 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from engine_proto.engine.v1 import generate_pb2, info_pb2
 
-from engine_server.engine.types import FinishReason, TokenLogprob
+from engine_server.frontend.types import FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
-    from engine_server.engine.model_info import ModelInfo
-    from engine_server.engine.types import EngineStats
     from engine_server.frontend.outputs import CompletionChunk, GenerateOutput
+    from engine_server.frontend.types import EngineStats, ModelInfo
 
 _FINISH = {
     FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,

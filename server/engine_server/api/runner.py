@@ -16,12 +16,12 @@ import sys
 from typing import TYPE_CHECKING
 
 from engine_server.api.server import EngineServer, EngineStarter, default_engine_starter
-from engine_server.core.loop import EngineFactory, default_engine_factory
+from engine_server.frontend.types import EngineFactory, default_engine_factory
 from engine_server.gc_policy import freeze_startup_heap
 
 if TYPE_CHECKING:
     from engine_server.api.config import ServerConfig
-    from engine_server.engine.config import EngineConfig
+    from engine_server.frontend.types import EngineConfig
 
 logger = logging.getLogger("engine_server")
 

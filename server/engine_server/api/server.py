@@ -38,16 +38,15 @@ from engine_server.api.servicer import EngineServicer
 from engine_server.api.stream_limit import LocalStreamLimit
 from engine_server.api.vllm_compat import SERVICE_NAME as VLLM_SERVICE
 from engine_server.api.vllm_compat import VllmCompatOptions, VllmEngineServicer
-from engine_server.engine.types import SamplingParams
 from engine_server.frontend.outputs import EngineState, GenerateRequest
+from engine_server.frontend.types import SamplingParams
 
 if TYPE_CHECKING:
     from engine_server.api.config import ServerConfig
     from engine_server.api.handle import EngineHandle
     from engine_server.api.security import GuardedServer
     from engine_server.api.stream_limit import StreamLimit
-    from engine_server.core.loop import EngineFactory
-    from engine_server.engine.config import EngineConfig
+    from engine_server.frontend.types import EngineConfig, EngineFactory
 
 logger = logging.getLogger(__name__)
 

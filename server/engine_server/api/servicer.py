@@ -21,8 +21,8 @@ from engine_server.api.security.limits import count_received
 from engine_server.api.security.oneofs import oneof_conflict
 from engine_server.api.stream_limit import LocalStreamLimit, StreamSlot
 from engine_server.api.streamed_generate import StreamedGenerate
-from engine_server.engine.types import EngineDead
 from engine_server.frontend.outputs import EngineState
+from engine_server.frontend.types import EngineDead
 
 if TYPE_CHECKING:
     from grpclib.server import Stream

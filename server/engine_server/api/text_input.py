@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from engine_server.engine.types import RequestError
+from engine_server.frontend.types import RequestError
 
 _T = TypeVar("_T")
 

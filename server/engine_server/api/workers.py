@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING
 from engine_server.api.runner import EXIT_ENGINE_FAILED, serve_until_stopped
 from engine_server.api.stream_limit import SharedStreamLimitFile
 from engine_server.api.worker_metrics import WorkerScraper, answer_scrapes, merge_families, scrape_all
-from engine_server.core.loop import EngineFactory, default_engine_factory
-from engine_server.engine.types import EngineDead
 from engine_server.frontend.outputs import EngineState
+from engine_server.frontend.types import EngineDead, EngineFactory, default_engine_factory
 from engine_server.proc_title import api_worker, set_process_title
 
 if TYPE_CHECKING:
@@ -43,7 +42,7 @@ if TYPE_CHECKING:
     from engine_server.api.config import ServerConfig
     from engine_server.api.handle import EngineHandle
     from engine_server.api.server import EngineServer
-    from engine_server.engine.config import EngineConfig
+    from engine_server.frontend.types import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from engine_server.engine.types import EngineStats
 from engine_server.frontend.outputs import EngineState, GenerateOutput, GenerateRequest, OutputSink
+from engine_server.frontend.types import EngineStats
 
 if TYPE_CHECKING:
     from engine_server.api.handle import TokenizerPoolHandle
-    from engine_server.engine.model_info import ModelInfo
+    from engine_server.frontend.types import ModelInfo
 
 
 class OutputStream(Protocol):

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from engine_server.engine.types import EngineDead, EngineOverloaded, RequestError
+from engine_server.frontend.types import EngineDead, EngineOverloaded, RequestError
 
 logger = logging.getLogger(__name__)
 

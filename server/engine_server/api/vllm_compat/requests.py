@@ -14,13 +14,13 @@ import uuid
 from typing import Any
 
 from engine_server.api.text_input import Tokenization, check_text_fits, string_field_size
-from engine_server.engine.types import (
+from engine_server.frontend.outputs import GenerateRequest
+from engine_server.frontend.types import (
     RequestError,
     SamplingParams,
     StructuredOutput,
     StructuredOutputKind,
 )
-from engine_server.frontend.outputs import GenerateRequest
 
 from .engine_handle import TokenizerLike
 

@@ -13,8 +13,8 @@ from typing import Any
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from engine_server.engine.types import FinishReason, TokenLogprob
 from engine_server.frontend.outputs import CompletionChunk, GenerateOutput
+from engine_server.frontend.types import FinishReason, TokenLogprob
 
 # vLLM's finish_reason strings. NOTE: smg matches exactly "stop", "length", "abort" and "error" (and turns a
 # "stop" with parsed tool calls into OpenAI's "tool_calls"); a constraint's dead end (no next token allowed:
