@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Protocol, cast
 
+from engine_server.core.cache_messages import CacheEventBatch, CacheEventsCommand, CacheEventsStart
+from engine_server.core.cache_publisher import CachePublisher
 from engine_server.core.control import receive_frontend_pipe
 from engine_server.core.messages import (
     AbortCommand,
@@ -166,6 +168,8 @@ class CoreLoop:
         self._needs_step = False  # a command changed the engine's state: step and report stats
         self._last_stats: EngineStats | None = None
         self._is_stopping = False
+        # The prefix cache's events, to the frontends that subscribe (none: nothing is recorded).
+        self._cache = CachePublisher(getattr(engine, "block_manager", None), self._send_cache)
 
     def connections(self) -> list[Connection]:
         return list(self._conns.values())
@@ -186,6 +190,8 @@ class CoreLoop:
                 self._reject_after_admission(engine.pop_rejected())
                 self._send_step(deltas, engine.stats())
                 self._needs_step = False
+            # 4) the step's cache events (or a flush's, without a step), after its outputs
+            self._cache.publish()
 
     def _greet(self, index: int, conn: Connection) -> None:
         try:
@@ -250,6 +256,8 @@ class CoreLoop:
                 if self._is_shared:
                     completions = tuple((f"{index}/{request_id}", i) for request_id, i in completions)
                 engine.abort_completions(completions)
+            elif isinstance(command, CacheEventsCommand):
+                self._cache.set_subscribed(index, command.subscribe)
             elif isinstance(command, AbortElsewhereCommand):
                 found = self._abort_elsewhere(index, command.request_ids)
                 self._needs_step = self._needs_step or bool(found)
@@ -315,7 +323,16 @@ class CoreLoop:
             if index in self._conns:
                 self._rejected.setdefault(index, []).append((request_id, ErrorInfo.from_exception(exc)))
 
+    def _send_cache(self, index: int, message: CacheEventBatch | CacheEventsStart) -> None:
+        conn = self._conns.get(index)
+        if conn is not None:
+            try:
+                conn.send(message)
+            except OSError:
+                self._detach(index)
+
     def _detach(self, index: int) -> None:
+        self._cache.set_subscribed(index, False)
         conn = self._conns.pop(index, None)
         if conn is not None:
             conn.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine_server.core.cache_messages import CacheEventBatch, CacheEventsCommand, CacheEventsStart
 from engine_server.engine.types import (
     CompletionDelta,
     EngineOverloaded,
@@ -79,7 +80,7 @@ class ShutdownCommand:
 
 Command = (
     AddCommand | AbortCommand | AbortCompletionsCommand | AbortElsewhereCommand | EmbedCommand | StatsCommand
-    | ShutdownCommand
+    | CacheEventsCommand | ShutdownCommand
 )
 
 
@@ -175,4 +176,4 @@ class CoreFailed:
     traceback: str
 
 
-CoreMessage = Ready | LoadFailed | StepOutput | CallReply | CoreFailed
+CoreMessage = Ready | LoadFailed | StepOutput | CallReply | CoreFailed | CacheEventsStart | CacheEventBatch

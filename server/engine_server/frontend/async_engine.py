@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine_server.core.cache_messages import CacheEventBatch, CacheEventsStart
 from engine_server.core.loop import EngineFactory, default_engine_factory
 from engine_server.core.messages import (
     AbortCommand,
@@ -34,6 +35,7 @@ from engine_server.engine.types import (
     FinishReason,
     RequestError,
 )
+from engine_server.frontend.cache_events import CacheEventHub
 from engine_server.frontend.core_process import CoreClient, EngineLoadError
 from engine_server.frontend.outputs import EngineState, GenerateRequest
 from engine_server.frontend.request_state import RequestState
@@ -72,6 +74,8 @@ class AsyncEngine:
         self._state = EngineState.SERVING
         self._state_listeners: list[Callable[[EngineState], None]] = []
         self._client = client
+        # The prefix cache's events for this frontend's cache-event streams (subscribed while they run).
+        self.cache_events = CacheEventHub(client.send)
         self._stats = stats
         self._max_pending = max_pending
         self._validate = validator
@@ -255,6 +259,7 @@ class AsyncEngine:
         """Refuse new requests (EngineDead); in-flight ones go on."""
         if self.state is EngineState.SERVING:
             self._set_state(EngineState.DRAINING)
+            self.cache_events.fail(EngineDead("the server is draining"))
 
     async def shutdown(self, *, timeout: float) -> None:  # noqa: ASYNC109 - a drain budget
         """Drain for up to `timeout` seconds, abort what is left, stop the core."""
@@ -330,6 +335,10 @@ class AsyncEngine:
                     self._on_step(message, touched)
                 elif type(message) is CallReply:
                     self._on_reply(message)
+                elif type(message) is CacheEventBatch:
+                    self.cache_events.on_batch(message)
+                elif type(message) is CacheEventsStart:
+                    self.cache_events.on_start(message)
                 elif type(message) is CoreFailed:
                     logger.error("engine core failed: %s\n%s", message.message, message.traceback)
                     raise EngineDead(f"the engine core failed: {message.message}")
@@ -395,6 +404,7 @@ class AsyncEngine:
         for future in calls.values():
             if not future.done():
                 future.set_exception(error)
+        self.cache_events.fail(error)
         self._wake_idle_waiters()
 
     def _wake_idle_waiters(self) -> None:

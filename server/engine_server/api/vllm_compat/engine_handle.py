@@ -10,6 +10,7 @@ from engine_server.frontend.types import EngineStats
 
 if TYPE_CHECKING:
     from engine_server.api.handle import TokenizerPoolHandle
+    from engine_server.frontend.cache_events import CacheEventHub
     from engine_server.frontend.types import ModelInfo
 
 
@@ -58,6 +59,9 @@ class EngineHandle(Protocol):
 
     @property
     def state(self) -> EngineState: ...
+
+    @property
+    def cache_events(self) -> CacheEventHub: ...
 
     def stats(self) -> EngineStats: ...
 

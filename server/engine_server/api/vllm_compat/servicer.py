@@ -34,6 +34,7 @@ from engine_server.frontend.outputs import EngineState
 
 from .engine_handle import EngineHandle
 from .errors import grpc_status
+from .kv_events import LoadRecords, serve_kv_events
 from .output_writer import OutputWriter
 from .requests import engine_request_id, generate_request_from_proto, text_tokenization
 from .responses import EngineRequestFailed, ResponseBuilder
@@ -307,6 +308,12 @@ class VllmEngineServicer(VllmEngineBase):
         await stream.send_message(
             pb.EmbedResponse(embedding=embedding, prompt_tokens=len(input_ids), embedding_dim=len(embedding))
         )
+
+    async def SubscribeKvEvents(self, stream: RpcStream) -> None:
+        engine = self._serving_engine
+        loads = LoadRecords(engine.stats, block_size=engine.model_info.block_size,
+                            max_num_seqs=self._options.max_num_seqs)
+        await serve_kv_events(stream, engine.cache_events, loads)
 
     # --- discovery and load ---------------------------------------------------------------------------
 
