@@ -47,10 +47,12 @@ def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
 
 
 class RunningGateway:
-    def __init__(self, process: subprocess.Popen[bytes], *, port: int, log_path: Path) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], *, port: int, log_path: Path,
+                 metrics_port: int = 0) -> None:
         self.process = process
         self.port = port
         self.log_path = log_path
+        self.metrics_port = metrics_port
 
     @property
     def url(self) -> str:
@@ -58,6 +60,17 @@ class RunningGateway:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """smg's Prometheus samples, "name{labels}" -> value."""
+        reply = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5.0)
+        reply.raise_for_status()
+        samples: dict[str, float] = {}
+        for line in reply.text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        return samples
 
     def workers(self) -> list[dict[str, Any]]:
         reply = httpx.get(f"{self.url}/workers", timeout=5.0)
@@ -116,4 +129,4 @@ def start_gateway(worker_targets: list[str], *extra_args: str, policy: str = "ro
         *extra_args,
     ]
     process = spawn(command, log_path=log_path)  # SIGTERM if the test process dies: no orphaned gateway
-    return RunningGateway(process, port=port, log_path=log_path)
+    return RunningGateway(process, port=port, log_path=log_path, metrics_port=metrics_port)
