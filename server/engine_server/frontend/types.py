@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from engine_server.core.loop import EngineFactory, default_engine_factory
 from engine_server.engine.config import EngineConfig
+from engine_server.engine.kv_events import BlocksRemoved, BlocksStored, CacheCleared, CacheEvent
 from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.types import (
     EngineDead,
@@ -23,6 +24,10 @@ from engine_server.engine.types import (
 )
 
 __all__ = [
+    "BlocksRemoved",
+    "BlocksStored",
+    "CacheCleared",
+    "CacheEvent",
     "EngineConfig",
     "EngineDead",
     "EngineFactory",

@@ -28,8 +28,6 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2
 
-from engine_server.engine.kv_events import BlocksRemoved, BlocksStored, CacheEvent
-from engine_server.engine.types import EngineDead, EngineStats
 from engine_server.frontend.cache_events import (
     CacheBatch,
     CacheEventHub,
@@ -37,6 +35,7 @@ from engine_server.frontend.cache_events import (
     SubscriberFellBehind,
     TooManySubscriptions,
 )
+from engine_server.frontend.types import BlocksRemoved, BlocksStored, CacheEvent, EngineDead, EngineStats
 
 POLL_S = 0.1  # how often an idle stream looks at the load record
 HEARTBEAT_S = 1.0  # a load_only batch after this long without a batch
