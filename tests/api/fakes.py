@@ -15,6 +15,7 @@ from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.types import EngineDead, EngineStats, FinishReason
 from engine_server.frontend.outputs import CompletionChunk, EngineState, GenerateOutput, GenerateRequest
 from engine_server.frontend.tokenizer_pool import TokenizerPool
+from fake_cache_events import FakeCacheCore
 
 VOCAB = 128
 BOS = 0
@@ -145,6 +146,8 @@ class FakeEngine:
         self.tokenizer_pool = TokenizerPool()
         self.state = EngineState.SERVING
         self.core_pid: int | None = None  # no core process: in this one
+        self.cache_core = FakeCacheCore()
+        self.cache_events = self.cache_core.hub
         self.gate = asyncio.Event()
         self.gate.set()
         self.fail_with: Exception | None = None

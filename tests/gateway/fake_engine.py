@@ -33,6 +33,7 @@ from engine_server.frontend.outputs import (
     OutputSink,
 )
 from engine_server.frontend.tokenizer_pool import TokenizerPool
+from fake_cache_events import FakeCacheCore
 
 FAIL_TOKEN = 7
 MAX_MODEL_LEN = 512
@@ -147,6 +148,8 @@ class FakeEngine:
         self.requests: dict[str, _Request] = {}
         self.received: list[GenerateRequest] = []
         self.cancelled: list[str] = []  # requests whose consumer went away (closed the stream unfinished)
+        self.cache_core = FakeCacheCore(block_size=BLOCK_SIZE)
+        self.cache_events = self.cache_core.hub
 
     @property
     def num_running(self) -> int:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from engine_server.frontend.cache_events import CacheEventHub
     from engine_server.frontend.outputs import (
         EngineState,
         GenerateOutput,
@@ -80,6 +81,8 @@ class EngineHandle(Protocol):
     def add_state_listener(self, listener: Callable[[EngineState], None]) -> None:
         """`listener(new_state)` at every change of `state`, on the event loop."""
     def stats(self) -> EngineStats: ...
+    @property
+    def cache_events(self) -> CacheEventHub: ...
     @property
     def core_pid(self) -> int | None:
         """The engine core's process (None: it runs in this process, or another frontend started it)."""

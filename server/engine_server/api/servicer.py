@@ -15,6 +15,7 @@ from grpclib.exceptions import GRPCError
 
 import engine_server
 from engine_server.api import convert, responses
+from engine_server.api.cache_events import serve_cache_events
 from engine_server.api.errors import RequestFailed, ServerBusy, to_grpc_error
 from engine_server.api.in_flight import InFlight
 from engine_server.api.security.limits import count_received
@@ -383,6 +384,6 @@ class EngineServicer(EngineServiceBase):
     async def SubscribeCacheEvents(
         self, stream: Stream[cache_pb2.SubscribeCacheEventsRequest, cache_pb2.SubscribeCacheEventsResponse]
     ) -> None:
-        # NOTE: the cache-events stream is served by the KV-events work of issue 40 (its own module).
-        await stream.recv_message()
-        raise GRPCError(Status.UNIMPLEMENTED, "SubscribeCacheEvents is not implemented yet")
+        msg, engine = await self._receive(stream, rpc="SubscribeCacheEvents")
+        await serve_cache_events(stream, msg, engine.cache_events,
+                                 lambda load: responses.fill_load(load, engine.stats()))
