@@ -191,6 +191,9 @@ class FakeEngine:
     async def embed(self, inputs: list[list[int]], *, normalize: bool) -> list[list[float]]:
         return [[float(len(ids)), 0.0] for ids in inputs]
 
+    async def flush_cache(self) -> int:
+        return 0  # it caches nothing
+
     def begin_drain(self) -> None:
         if self.state is EngineState.SERVING:
             self.state = EngineState.DRAINING

@@ -148,6 +148,8 @@ class FakeEngine:
         self.requests: dict[str, _Request] = {}
         self.received: list[GenerateRequest] = []
         self.cancelled: list[str] = []  # requests whose consumer went away (closed the stream unfinished)
+        self.flush_delay = 0.0
+        self.num_flushes = 0
         self.cache_core = FakeCacheCore(block_size=BLOCK_SIZE)
         self.cache_events = self.cache_core.hub
 
@@ -249,3 +251,9 @@ class FakeEngine:
 
     async def embed(self, inputs: list[list[int]], *, normalize: bool) -> list[list[float]]:
         return [[float(len(ids)), 0.0, 0.0, 1.0] for ids in inputs]
+
+    async def flush_cache(self) -> int:
+        """As the core does it: after `flush_delay` (the step in progress), the number of cached blocks."""
+        self.num_flushes += 1
+        await asyncio.sleep(self.flush_delay)
+        return 7

@@ -238,9 +238,39 @@ async def test_optional_rpcs_are_unimplemented(client: VllmClient) -> None:
         with pytest.raises(GRPCError) as info:
             await stream.recv_message()
     assert info.value.status is Status.UNIMPLEMENTED
+
+
+async def test_flush_cache_waits_for_the_engine_with_timeout_zero(client: VllmClient,
+                                                                  engine: FakeEngine) -> None:
+    engine.flush_delay = 0.05  # the core finishes its step first
+    reply = await client.unary("FlushCache", common_pb2.FlushCacheRequest(timeout_s=0.0),
+                               common_pb2.FlushCacheResponse)
+    assert reply.success
+    assert reply.message == "flushed 7 cached KV blocks"
+    assert engine.num_flushes == 1
+
+
+async def test_flush_cache_past_its_timeout_is_not_a_success(client: VllmClient, engine: FakeEngine) -> None:
+    engine.flush_delay = 1.0
+    reply = await client.unary("FlushCache", common_pb2.FlushCacheRequest(timeout_s=0.05),
+                               common_pb2.FlushCacheResponse)
+    assert not reply.success
+    assert "did not complete within 0.05 s" in reply.message
+    engine.flush_delay = 0.0
+    reply = await client.unary("FlushCache", common_pb2.FlushCacheRequest(timeout_s=5.0),
+                               common_pb2.FlushCacheResponse)
+    assert reply.success
+
+
+@pytest.mark.parametrize("timeout_s", [-1.0, float("nan"), float("inf")])
+async def test_flush_cache_with_a_bad_timeout_is_invalid(client: VllmClient, engine: FakeEngine,
+                                                         timeout_s: float) -> None:
     with pytest.raises(GRPCError) as info:
-        await client.unary("FlushCache", common_pb2.FlushCacheRequest(), common_pb2.FlushCacheResponse)
-    assert info.value.status is Status.UNIMPLEMENTED
+        await client.unary("FlushCache", common_pb2.FlushCacheRequest(timeout_s=timeout_s),
+                           common_pb2.FlushCacheResponse)
+    assert info.value.status is Status.INVALID_ARGUMENT
+    assert "timeout_s" in (info.value.message or "")
+    assert engine.num_flushes == 0
 
 
 async def test_before_the_engine_is_attached() -> None:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from engine_server.frontend.types import ModelInfo
 
 MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 256  # GenerateRequest.cache_salt
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -250,7 +251,11 @@ def to_generate_request(
                            f"context length {max_len}")
     out = msg.output
     constraint = structured_output(msg.structured_output) if msg.HasField("structured_output") else None
+    if (num_salt_chars := len(msg.cache_salt)) > MAX_CACHE_SALT_CHARS:
+        raise RequestError("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters, got {num_salt_chars}")
     return GenerateRequest(
+        cache_salt=msg.cache_salt,
+        priority=msg.priority,
         structured_output=constraint,
         request_id=request_id,
         prompt_token_ids=tuple(prompt),

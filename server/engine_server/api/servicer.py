@@ -378,8 +378,12 @@ class EngineServicer(EngineServiceBase):
     async def FlushCache(
         self, stream: Stream[cache_pb2.FlushCacheRequest, cache_pb2.FlushCacheResponse]
     ) -> None:
-        await stream.recv_message()
-        raise GRPCError(Status.UNIMPLEMENTED, "FlushCache is not implemented yet")
+        _, engine = await self._receive(stream, rpc="FlushCache")
+        try:
+            num_flushed = await engine.flush_cache()
+        except Exception as exc:
+            raise to_grpc_error(exc, rpc="FlushCache") from None
+        await stream.send_message(cache_pb2.FlushCacheResponse(num_blocks_flushed=num_flushed))
 
     async def SubscribeCacheEvents(
         self, stream: Stream[cache_pb2.SubscribeCacheEventsRequest, cache_pb2.SubscribeCacheEventsResponse]

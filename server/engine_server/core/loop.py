@@ -46,6 +46,7 @@ from engine_server.core.messages import (
     CoreFailed,
     EmbedCommand,
     ErrorInfo,
+    FlushCacheCommand,
     LoadFailed,
     Ready,
     StatsCommand,
@@ -82,6 +83,7 @@ class EngineCore(Protocol):
     def has_unfinished(self) -> bool: ...
     def stats(self) -> EngineStats: ...
     def embed(self, inputs: list[list[int]], *, normalize: bool) -> list[list[float]]: ...
+    def flush_cache(self) -> int: ...
 
 
 EngineFactory = Callable[["EngineConfig"], EngineCore]
@@ -264,6 +266,9 @@ class CoreLoop:
                 conn.send(CallReply(command.call_id, found))
             elif isinstance(command, StatsCommand):
                 conn.send(CallReply(command.call_id, engine.stats()))
+            elif isinstance(command, FlushCacheCommand):
+                # NOTE: between two steps, for every frontend (the core's one cache); nothing is preempted
+                conn.send(CallReply(command.call_id, engine.flush_cache()))
             elif isinstance(command, EmbedCommand):
                 conn.send(embed_reply(engine, command))
             elif index == 0:  # ShutdownCommand from the primary: stop the core
@@ -276,8 +281,10 @@ class CoreLoop:
     def _add(self, index: int, request: EngineRequest) -> None:
         engine_request = request
         if self._is_shared:
+            # NOTE: every field, positionally (dataclasses.replace costs several times more per request)
             engine_request = EngineRequest(f"{index}/{request.request_id}", request.prompt_token_ids,
-                                           request.params, request.structured_output)
+                                           request.params, request.structured_output, request.cache_salt,
+                                           request.priority)
         try:
             self._engine.add_request(engine_request)
         except (RequestError, EngineOverloaded) as exc:

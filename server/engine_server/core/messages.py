@@ -74,13 +74,20 @@ class StatsCommand:
 
 
 @dataclass(frozen=True, slots=True)
+class FlushCacheCommand:
+    """Empties the prefix cache between two steps; the reply's result is how many cached blocks it dropped."""
+
+    call_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class ShutdownCommand:
     pass
 
 
 Command = (
     AddCommand | AbortCommand | AbortCompletionsCommand | AbortElsewhereCommand | EmbedCommand | StatsCommand
-    | CacheEventsCommand | ShutdownCommand
+    | CacheEventsCommand | FlushCacheCommand | ShutdownCommand
 )
 
 

@@ -24,6 +24,7 @@ from engine_server.core.messages import (
     CoreFailed,
     CoreMessage,
     EmbedCommand,
+    FlushCacheCommand,
     StatsCommand,
     StepOutput,
 )
@@ -145,7 +146,7 @@ class AsyncEngine:
         if len(self._requests) >= self._max_pending:
             raise EngineOverloaded(f"too many pending requests ({self._max_pending}); retry later")
         engine_request = EngineRequest(request_id, request.prompt_token_ids, request.params,
-                                       request.structured_output)
+                                       request.structured_output, request.cache_salt, request.priority)
         self._validate(engine_request, self.model_info)
         state = RequestState(request, self.tokenizer.detokenizers)
         self._requests[request_id] = state
@@ -191,6 +192,15 @@ class AsyncEngine:
             lambda call_id: EmbedCommand(call_id, inputs, normalize)
         )
         return vectors
+
+    async def flush_cache(self) -> int:
+        """Empties the prefix cache (nothing is preempted); returns how many cached blocks it dropped.
+
+        NOTE: one core serves every frontend, so this flushes for all of them (--api-workers).
+        """
+        self._check_serving()
+        num_flushed: int = await self._call(FlushCacheCommand)
+        return num_flushed
 
     # --- observation --------------------------------------------------------------------------------
 

@@ -38,6 +38,8 @@ class GenerateRequest:
     detokenize: bool = True  # False: chunks carry token ids only (text is "")
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # the constraint every completion follows
+    cache_salt: str = ""  # the prefix cache's namespace ("" = shared): no block is shared across salts
+    priority: int = 0  # lower first; first come, first served within one priority
 
     def __post_init__(self) -> None:
         if not self.request_id:

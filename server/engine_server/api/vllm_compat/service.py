@@ -2,7 +2,7 @@
 
 smg-grpc-proto ships grpcio stubs only; grpclib needs `__mapping__` (path -> Handler), written here by hand
 from `smg_grpc_proto/proto/vllm_engine.proto`. Every RPC of the service is listed: the ones this engine
-cannot serve (cache flush, profiling, KV events) answer UNIMPLEMENTED, which the gateway tolerates.
+cannot serve (profiling, KV events) answer UNIMPLEMENTED, which the gateway tolerates.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ class VllmEngineBase(abc.ABC):
     @abc.abstractmethod
     async def GetTokenizer(self, stream: RpcStream) -> None: ...
 
-    async def FlushCache(self, stream: RpcStream) -> None:
-        raise GRPCError(Status.UNIMPLEMENTED, "FlushCache is not supported by this engine")
+    @abc.abstractmethod
+    async def FlushCache(self, stream: RpcStream) -> None: ...
 
     async def StartProfile(self, stream: RpcStream) -> None:
         raise GRPCError(Status.UNIMPLEMENTED, "profiling is not supported by this engine")

@@ -34,6 +34,7 @@ from engine_server.frontend.outputs import EngineState
 
 from .engine_handle import EngineHandle
 from .errors import grpc_status
+from .flush_cache import flush_cache
 from .kv_events import LoadRecords, serve_kv_events
 from .output_writer import OutputWriter
 from .requests import engine_request_id, generate_request_from_proto, text_tokenization
@@ -314,6 +315,14 @@ class VllmEngineServicer(VllmEngineBase):
         loads = LoadRecords(engine.stats, block_size=engine.model_info.block_size,
                             max_num_seqs=self._options.max_num_seqs)
         await serve_kv_events(stream, engine.cache_events, loads)
+
+    async def FlushCache(self, stream: RpcStream) -> None:
+        request = await stream.recv_message()
+        if request is None:
+            raise GRPCError(Status.INVALID_ARGUMENT, "empty request")
+        with grpc_status("FlushCache"):
+            response = await flush_cache(self._serving_engine, request.timeout_s)
+        await stream.send_message(response)
 
     # --- discovery and load ---------------------------------------------------------------------------
 
