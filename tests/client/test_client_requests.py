@@ -15,9 +15,11 @@ SUB_MESSAGES: dict[str, type[Message]] = {
     "stopping": generate_pb2.StoppingCriteria,
     "output": generate_pb2.OutputOptions,
 }
-# The knobs outside the sampling / stopping / output sub-messages: input rendering, and the constraint
-# (structured_output, tested in test_client_structured.py).
-TOP_LEVEL_KNOBS = {"add_special_tokens", "add_generation_prompt", "structured_output"}
+# The knobs outside the sampling / stopping / output sub-messages: input rendering, the constraint
+# (structured_output, tested in test_client_structured.py), cache isolation and priority.
+TOP_LEVEL_KNOBS = {
+    "add_special_tokens", "add_generation_prompt", "structured_output", "cache_salt", "priority",
+}
 
 
 def build(**knobs: object) -> generate_pb2.GenerateRequest:
@@ -67,6 +69,25 @@ def test_unset_and_zero_non_optional_knobs_leave_every_sub_message_unset(knobs: 
     req = build(**knobs)
     for name in (*SUB_MESSAGES, "add_special_tokens", "structured_output"):
         assert not req.HasField(name), name  # type: ignore[arg-type]
+
+
+def test_cache_salt_and_priority_are_sent_at_the_top_level() -> None:
+    req = build(cache_salt="tenant-a", priority=-3)
+    assert (req.cache_salt, req.priority) == ("tenant-a", -3)
+    for name in SUB_MESSAGES:
+        assert not req.HasField(name), name  # type: ignore[arg-type]
+    unset = build()
+    assert (unset.cache_salt, unset.priority) == ("", 0)
+
+
+@pytest.mark.parametrize(("knobs", "error"), [
+    ({"priority": 2**31}, ValueError), ({"priority": -(2**31) - 1}, ValueError),
+    ({"priority": True}, ValueError), ({"priority": 1.5}, ValueError), ({"cache_salt": b"x"}, TypeError),
+])
+def test_bad_cache_salt_or_priority_is_refused_before_the_call(knobs: dict[str, object],
+                                                               error: type[Exception]) -> None:
+    with pytest.raises(error):
+        GenerateParams(**knobs)  # type: ignore[arg-type]
 
 
 def test_add_special_tokens_false_is_sent() -> None:

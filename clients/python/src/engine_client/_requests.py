@@ -100,6 +100,8 @@ def build_generate_request(
         output=generate_pb2.OutputOptions(**output) if output else None,
         structured_output=(structured_output_message(params.structured_output)
                            if params.structured_output is not None else None),
+        cache_salt=params.cache_salt or "",
+        priority=params.priority or 0,
     )
     if token_ids is not None:
         if len(token_ids) == 0:

@@ -24,6 +24,7 @@ __all__ = ["GenerateOptions", "GenerateParams"]
 
 _MAX_UINT32 = 2**32 - 1
 _MAX_UINT64 = 2**64 - 1
+_MIN_INT32, _MAX_INT32 = -(2**31), 2**31 - 1
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -52,6 +53,8 @@ class GenerateOptions(TypedDict, total=False):
     add_special_tokens: bool | None
     add_generation_prompt: bool | None
     structured_output: StructuredOutput | None
+    cache_salt: str | None
+    priority: int | None
 
 
 def _check_uint(name: str, value: int | None, *, minimum: int = 0, maximum: int = _MAX_UINT32) -> None:
@@ -110,6 +113,11 @@ class GenerateParams:
     add_generation_prompt: bool | None = None
     # Constrained decoding: JsonSchema, JsonObject, Regex, Grammar, Choice or StructuralTag (None: free text)
     structured_output: StructuredOutput | None = None
+    # Scheduling and caching
+    # The prefix cache's namespace: requests with different salts never share cached KV (None / "": shared).
+    cache_salt: str | None = None
+    # Lower is served first; equal priorities first come, first served (None: the server's default, 0).
+    priority: int | None = None
 
     def __post_init__(self) -> None:
         _check_uint("max_tokens", self.max_tokens, minimum=1)
@@ -139,6 +147,12 @@ class GenerateParams:
                 _check_uint("logit_bias key", token_id)
                 _check_float("logit_bias value", value)
             object.__setattr__(self, "logit_bias", bias)
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise TypeError(f"cache_salt must be a str, got {type(self.cache_salt).__name__}")
+        priority = self.priority
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
+                                     or not _MIN_INT32 <= priority <= _MAX_INT32):
+            raise ValueError(f"priority must be an int32, got {priority!r}")
         constraint = self.structured_output
         if constraint is not None and not isinstance(constraint, STRUCTURED_OUTPUT_TYPES):
             # (an OpenAI-style dict such as {"type": "json_object"} lands here: say what to pass instead)

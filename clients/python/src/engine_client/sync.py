@@ -8,7 +8,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
-from engine_proto.engine.v1 import generate_pb2, info_pb2
+from engine_proto.engine.v1 import cache_pb2, generate_pb2, info_pb2
 from engine_proto.engine.v1.engine_service_pb2_grpc import EngineServiceStub
 from google.protobuf import message
 
@@ -231,6 +231,13 @@ class EngineClient:
         """The cheap load poll: running/waiting requests, KV cache usage, engine state."""
         response = self._unary(self.stub.GetLoad, info_pb2.GetLoadRequest(), timeout)
         return _convert.load(response.load, response.state)
+
+    def flush_cache(self, *, timeout: float | None = None) -> int:
+        """Empty the server's prefix cache (running requests go on); returns how many cached blocks it
+        dropped. The server applies it between two engine steps; ``timeout`` bounds the wait
+        (DEADLINE_EXCEEDED past it: the flush may still happen, and repeating it is safe)."""
+        response = self._unary(self.stub.FlushCache, cache_pb2.FlushCacheRequest(), timeout)
+        return response.num_blocks_flushed
 
     def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """grpc.health.v1 Check for ``service`` ("" = the whole server, or "engine.v1.EngineService")."""
