@@ -12,6 +12,14 @@ Example::
 from __future__ import annotations
 
 from .aio import AsyncEngineClient, AsyncGenerateStream
+from .cache_events import (
+    CacheBlocksRemoved,
+    CacheBlocksStored,
+    CacheCleared,
+    CacheEvent,
+    CacheEventBatch,
+    SnapshotPart,
+)
 from .errors import (
     AuthenticationError,
     DeadlineExceededError,
@@ -57,6 +65,11 @@ __all__ = [
     "AsyncEngineClient",
     "AsyncGenerateStream",
     "AuthenticationError",
+    "CacheBlocksRemoved",
+    "CacheBlocksStored",
+    "CacheCleared",
+    "CacheEvent",
+    "CacheEventBatch",
     "Choice",
     "Completion",
     "ConnectionOptions",
@@ -89,6 +102,7 @@ __all__ = [
     "RetryPolicy",
     "ServerInfo",
     "ServerLimits",
+    "SnapshotPart",
     "StatusCode",
     "StructuralTag",
     "StructuredOutput",

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
@@ -30,6 +30,7 @@ from ._requests import (
     build_tokenize_request,
 )
 from ._retry import Attempts
+from .cache_events import CacheEventBatch, cache_event_batch, subscribe_request
 from .options import DEFAULT_TARGET, ConnectionOptions, TLSConfig, with_overrides
 from .params import GenerateOptions, GenerateParams
 from .types import (
@@ -204,6 +205,21 @@ class AsyncEngineClient:
                 if delay is None:
                     raise error from exc
             await asyncio.sleep(delay)
+
+    async def subscribe_cache_events(self, *, start_sequence_number: int = 0, instance_id: str = "",
+                                     timeout: float | None = None) -> AsyncGenerator[CacheEventBatch, None]:
+        """The server's prefix-cache events (see :mod:`engine_client.cache_events`): a snapshot, then one
+        batch per engine step that changed the cache, and heartbeats; until the caller stops iterating (which
+        cancels the call) or the server ends it (raised as an EngineError: ABORTED for a subscriber that fell
+        behind, UNAVAILABLE while the server drains). No retries: the caller resumes with its cursor."""
+        request = subscribe_request(start_sequence_number, instance_id)
+        try:
+            async with self.stub.SubscribeCacheEvents.open(timeout=timeout, metadata=self._metadata) as call:
+                await call.send_message(request, end=True)
+                async for response in call:
+                    yield cache_event_batch(response)
+        except TRANSPORT_ERRORS as exc:
+            raise translate(exc) from exc
 
     async def complete(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
                        messages: Sequence[ChatMessage] | None = None, request_id: str | None = None,

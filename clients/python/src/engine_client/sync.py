@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
@@ -25,6 +25,7 @@ from ._requests import (
 )
 from ._retry import Attempts
 from ._sync_transport import open_channel, translate
+from .cache_events import CacheEventBatch, cache_event_batch, subscribe_request
 from .errors import StatusCode, error_from_status
 from .options import DEFAULT_TARGET, ConnectionOptions, TLSConfig, with_overrides
 from .params import GenerateOptions, GenerateParams
@@ -186,6 +187,23 @@ class EngineClient:
                 # Closing the generator early (break, GC, exception) lands here: cancel = abort on the server.
                 call.cancel()
             time.sleep(delay)
+
+    def subscribe_cache_events(self, *, start_sequence_number: int = 0, instance_id: str = "",
+                               timeout: float | None = None) -> Generator[CacheEventBatch, None, None]:
+        """The server's prefix-cache events (see :mod:`engine_client.cache_events`): a snapshot, then one
+        batch per engine step that changed the cache, and heartbeats; until the caller closes the iterator
+        (which cancels the call) or the server ends it (raised as an EngineError: ABORTED for a subscriber
+        that fell behind, UNAVAILABLE while the server drains). No retries: the caller resumes with its
+        cursor."""
+        request = subscribe_request(start_sequence_number, instance_id)
+        call = self.stub.SubscribeCacheEvents(request, timeout=timeout, metadata=self._metadata)
+        try:
+            for response in call:
+                yield cache_event_batch(response)
+        except grpc.RpcError as exc:
+            raise translate(exc) from exc
+        finally:
+            call.cancel()
 
     def complete(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
                  messages: Sequence[ChatMessage] | None = None, request_id: str | None = None,
