@@ -135,6 +135,11 @@ func (f *fakeEngine) GetLoad(ctx context.Context, _ *enginev1.GetLoadRequest) (*
 	return &enginev1.GetLoadResponse{State: enginev1.EngineState_ENGINE_STATE_SERVING, Load: &enginev1.Load{}}, nil
 }
 
+func (f *fakeEngine) FlushCache(ctx context.Context, _ *enginev1.FlushCacheRequest) (*enginev1.FlushCacheResponse, error) {
+	f.record(ctx)
+	return &enginev1.FlushCacheResponse{NumBlocksFlushed: 7}, nil
+}
+
 func (f *fakeEngine) authHeaders() []string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
