@@ -177,6 +177,8 @@ def start_workers(model: str, dtype: str, args: argparse.Namespace, workloads: l
         ours_env = dict(env)
         if "passive" in options:  # waiting threads sleep at once (libgomp's default spins a while first)
             ours_env["OMP_WAIT_POLICY"] = "PASSIVE"
+        if "unpacked" in options:  # the model's own F.linear calls (engine/packed_linears.py off)
+            ours_env["ENGINE_PACKED_LINEARS"] = "0"
         if "iomp" in options:  # vLLM's OpenMP setting: Intel's runtime, one thread pinned per CPU
             pinned = f"granularity=fine,explicit,proclist=[{cpus(num_threads, ',')}]"
             ours_env.update(LD_PRELOAD=iomp, KMP_AFFINITY=pinned)
@@ -239,7 +241,8 @@ def bench(model: str, dtype: str, args: argparse.Namespace, workloads: list[Work
                     res.update(round=r, workload=wl.name, engine=w.label, gap_ms=gaps.get(key, 0.0) * 1e3)
                     runs.append(res)
                     print(f"  r{r} {wl.name:20s} {w.label:22s} {res['tok_s']:9.1f} tok/s  "
-                          f"(load {res['loadavg']:.1f})", flush=True)
+                          f"{res.get('tok_cpu_s', float('nan')):8.1f} tok/CPU-s  (load {res['loadavg']:.1f})",
+                          flush=True)
                     time.sleep(0.5)  # NOTE: OpenMP workers spin a while after a parallel region
         return {"model": model, "dtype": dtype, "rounds": args.rounds, "output": args.output, "equality": eq,
                 "study": args.modes_study,
@@ -319,7 +322,8 @@ def main() -> int:
     parser.add_argument("--engine-modes", default="2t-iomp,1t",
                         help="our engine's modes, one worker each, every round (the table takes the "
                              "faster): Nt = N torch threads; -iomp: vLLM's OpenMP setting (libiomp5 "
-                             "preloaded, threads pinned to CPUs 0..N-1); -passive: OMP_WAIT_POLICY=PASSIVE")
+                             "preloaded, threads pinned to CPUs 0..N-1); -passive: OMP_WAIT_POLICY=PASSIVE; "
+                             "-unpacked: the model's own F.linear (ENGINE_PACKED_LINEARS=0)")
     parser.add_argument("--vllm-modes", default="compiled/2t",
                         help="compiled (its default: torch.compile/inductor) | eager, +zentorch to let vLLM "
                              "use its Zen platform (zentorch linears) where zentorch is installed; /Nt: N "

@@ -92,6 +92,7 @@ def _mlp_forward(kernels: CpuKernels) -> Any:
         kernels.silu_and_mul(gate, self.up_proj(x), out)
         down: torch.Tensor = self.down_proj(out)
         return down
+    forward.engine_silu_mlp = True  # type: ignore[attr-defined]  # (packed_linears.py fuses gate and up)
     return forward
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_server.engine import cpu_kernels, host_memory
+from engine_server.engine import cpu_kernels, host_memory, packed_linears
 from engine_server.engine.attention import DecodeBatch, DecodeGroup, PagedMetadata, PrefillBatch, PrefillChunk
 from engine_server.engine.cpu_kernels import CpuKernels
 from engine_server.engine.fused_modules import fuse_modules, rotary_kernel_active
@@ -80,6 +80,10 @@ class ModelRunner:
             self.decode_kernel = triton_decode.load(
                 device, dtype, kv_heads=kv.num_kv_heads, group=kv.num_heads // kv.num_kv_heads,
                 head_dim=kv.head_dim, block_size=block_size)
+        if device.type == "cpu" and packed_linears.available(dtype):
+            packed = packed_linears.pack_linears(model, kernels)
+            logger.info("packed oneDNN linears: q/k/v of %d attention layers, %d gated MLPs, %d other "
+                        "linears", packed["qkv"], packed["mlp"], packed["linear"])
         # NOTE: one block more than the block manager hands out: the padding rows of a CUDA-graph decode step
         # read and write only that one (decode_graphs.py)
         self.spare_block = num_blocks

@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of prefill chunks over a paged KV cache (CPU)");
   m.def("rms_norm", &engine_kernels::rms_norm, "Llama-style RMSNorm over the last dim (CPU)");
   m.def("silu_and_mul", &engine_kernels::silu_and_mul, "T(silu(gate)) * up (CPU)");
+  m.def("silu_and_mul_rows", &engine_kernels::silu_and_mul_rows,
+        "T(silu(gate)) * up over rows of [gate | up] (CPU)");
   m.def("rotary_embedding", &engine_kernels::rotary_embedding,
         "q * cos + rotate_half(q) * sin for q and k, as transformers' apply_rotary_pos_emb (CPU)");
   m.def("apply_token_bitmask", &engine_kernels::apply_token_bitmask,

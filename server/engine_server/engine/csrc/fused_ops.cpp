@@ -6,6 +6,7 @@
 // rounds (to the model dtype between ops), so the results are torch's to within float32 arithmetic order.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "ops.h"
@@ -61,30 +62,46 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t hidden,
   });
 }
 
+// out[i] = T(silu(gate[i])) * up[i] for i in [first, last).
+template <typename T>
+inline void silu_mul_span(const T* gate, const T* up, T* out, int64_t first, int64_t last) {
+#ifdef ENGINE_AVX512
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = first; i < last; i += 16) {
+    const __mmask16 m = lanes(last - i);
+    const __m512 g = load16(gate + i, m);
+    const __m512 act = round_as<T>(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    store16(out + i, _mm512_mul_ps(act, load16(up + i, m)), m);
+  }
+#elif defined(ENGINE_AVX2)
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (int64_t i = first; i < last; i += 8) {
+    const __m256 g = load8(gate + i, last - i);
+    const __m256 act = round_as8<T>(_mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
+    store8(out + i, _mm256_mul_ps(act, load8(up + i, last - i)), last - i);
+  }
+#else
+  for (int64_t i = first; i < last; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    out[i] = static_cast<T>(round_scalar<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
+  }
+#endif
+}
+
 template <typename T>
 void silu_mul(const T* gate, const T* up, T* out, int64_t count) {
-  at::parallel_for(0, count, 8192, [&](int64_t first, int64_t last) {
-#ifdef ENGINE_AVX512
-    for (int64_t i = first; i < last; i += 16) {
-      const __mmask16 m = lanes(last - i);
-      const __m512 g = load16(gate + i, m);
-      const __m512 one = _mm512_set1_ps(1.f);
-      const __m512 act = round_as<T>(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-      store16(out + i, _mm512_mul_ps(act, load16(up + i, m)), m);
+  at::parallel_for(0, count, 8192, [&](int64_t first, int64_t last) { silu_mul_span(gate, up, out, first, last); });
+}
+
+// Rows of [gate | up] (one GEMM's output, gate and up projections fused) -> rows of T(silu(gate)) * up.
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, width));
+  at::parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const T* gate = gate_up + r * 2 * width;
+      silu_mul_span(gate, gate + width, out + r * width, 0, width);
     }
-#elif defined(ENGINE_AVX2)
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (int64_t i = first; i < last; i += 8) {
-      const __m256 g = load8(gate + i, last - i);
-      const __m256 act = round_as8<T>(_mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
-      store8(out + i, _mm256_mul_ps(act, load8(up + i, last - i)), last - i);
-    }
-#else
-    for (int64_t i = first; i < last; ++i) {
-      const float g = static_cast<float>(gate[i]);
-      out[i] = static_cast<T>(round_scalar<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
-    }
-#endif
   });
 }
 
@@ -184,6 +201,16 @@ void silu_and_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out)
   TORCH_CHECK(gate.numel() == up.numel() && gate.numel() == out.numel(), "silu_and_mul: shapes");
   ENGINE_DISPATCH_MODEL_DTYPES(gate.scalar_type(), "silu_and_mul", [&] {
     silu_mul<scalar_t>(gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate.numel());
+  });
+}
+
+void silu_and_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
+  check_same(gate_up, out, "silu_and_mul_rows");
+  const int64_t width = out.size(-1);
+  TORCH_CHECK(gate_up.dim() == out.dim() && gate_up.size(-1) == 2 * width && gate_up.numel() == 2 * out.numel(),
+              "silu_and_mul_rows: gate_up [..., 2 * n] and out [..., n] expected");
+  ENGINE_DISPATCH_MODEL_DTYPES(gate_up.scalar_type(), "silu_and_mul_rows", [&] {
+    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), out.numel() / std::max<int64_t>(1, width), width);
   });
 }
 

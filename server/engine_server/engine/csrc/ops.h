@@ -25,6 +25,10 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
 // out = T(silu(gate)) * up, the gated MLP's activation (fused_ops.cpp).
 void silu_and_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 
+// The same over rows of [gate | up] (the gate and up projections computed as one GEMM): out [..., n] from
+// gate_up [..., 2n], both contiguous (fused_ops.cpp).
+void silu_and_mul_rows(const at::Tensor& gate_up, at::Tensor& out);
+
 // q_out = q * cos + rotate_half(q) * sin, k_out likewise: transformers' apply_rotary_pos_emb (each product
 // rounded to the model dtype, then the sum) in one pass (fused_ops.cpp). q, k, q_out, k_out: [b, heads, t, d]
 // with unit stride along d (any other strides); cos, sin: [b, t, d], unit stride along d.
