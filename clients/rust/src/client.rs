@@ -4,9 +4,9 @@ use std::time::Duration;
 
 use engine_proto::engine::v1::engine_service_client::EngineServiceClient;
 use engine_proto::engine::v1::{
-    AbortRequest, DetokenizeRequest, EmbedRequest, EmbedResponse, GenerateRequest, GetLoadRequest,
-    GetLoadResponse, GetModelInfoRequest, GetModelInfoResponse, GetServerInfoRequest, GetServerInfoResponse,
-    TokenizeRequest, TokenizeResponse,
+    AbortRequest, DetokenizeRequest, EmbedRequest, EmbedResponse, FlushCacheRequest, GenerateRequest,
+    GetLoadRequest, GetLoadResponse, GetModelInfoRequest, GetModelInfoResponse, GetServerInfoRequest,
+    GetServerInfoResponse, TokenizeRequest, TokenizeResponse,
 };
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
@@ -118,6 +118,14 @@ impl Client {
     /// The server's current load and engine state (cheap; meant for frequent polling).
     pub async fn load(&self) -> Result<GetLoadResponse> {
         Ok(self.engine.clone().get_load(self.unary(GetLoadRequest {})).await?.into_inner())
+    }
+
+    /// Empties the server's prefix cache without disturbing running requests; returns how many cached blocks
+    /// it dropped. The server applies it between two engine steps; a deadline that passes first is
+    /// DEADLINE_EXCEEDED (the flush may still happen; repeating it is safe).
+    pub async fn flush_cache(&self) -> Result<u32> {
+        let response = self.engine.clone().flush_cache(self.unary(FlushCacheRequest {})).await?;
+        Ok(response.into_inner().num_blocks_flushed)
     }
 
     /// `grpc.health.v1` status of `service`: `""` for the whole server, or [`ENGINE_SERVICE_NAME`].

@@ -209,6 +209,21 @@ impl GenerateRequestBuilder {
         self
     }
 
+    /// The prefix cache's namespace for this request: requests with different salts never share cached KV
+    /// blocks, so one tenant cannot learn from its time to first token whether another sent the same prompt.
+    /// Use a secret salt per tenant; `""` is the shared namespace (the default). At most 256 characters.
+    pub fn cache_salt(mut self, salt: impl Into<String>) -> Self {
+        self.request.cache_salt = salt.into();
+        self
+    }
+
+    /// Scheduling priority: a lower value is served first, equal priorities first come, first served
+    /// (default 0). It never changes the generated tokens.
+    pub fn priority(mut self, priority: i32) -> Self {
+        self.request.priority = priority;
+        self
+    }
+
     /// Constrains every completion to a language (see [structured output](crate::request#structured-output));
     /// the shortcuts below set each kind. Replaces any constraint set before.
     pub fn structured_output(mut self, kind: structured_output::Kind) -> Self {
@@ -313,6 +328,15 @@ mod tests {
             kind(text("x").regex("a").choice(["b"])),
             Kind::Choice(Choice { choices: vec!["b".into()] })
         );
+    }
+
+    #[test]
+    fn cache_salt_and_priority_are_top_level_fields() {
+        let req = text("x").cache_salt("tenant-a").priority(-3).build();
+        assert_eq!((req.cache_salt.as_str(), req.priority), ("tenant-a", -3));
+        assert_eq!((req.sampling, req.stopping, req.output), (None, None, None));
+        let unset = text("x").build();
+        assert_eq!((unset.cache_salt.as_str(), unset.priority), ("", 0));
     }
 
     #[test]
