@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_proto.engine.v1 import embed_pb2, generate_pb2, info_pb2, tokenize_pb2
+from engine_proto.engine.v1 import cache_pb2, embed_pb2, generate_pb2, info_pb2, tokenize_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceBase
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -179,6 +179,18 @@ class FakeEngineService(EngineServiceBase):
         await self._begin(stream)
         resp = info_pb2.GetLoadResponse(state=info_pb2.ENGINE_STATE_SERVING)
         resp.load.num_running_requests = len(self.state.in_flight)
+        await stream.send_message(resp)
+
+    async def FlushCache(self, stream: Stream[Any, Any]) -> None:
+        await self._begin(stream)
+        await stream.send_message(cache_pb2.FlushCacheResponse(num_blocks_flushed=0))
+
+    async def SubscribeCacheEvents(self, stream: Stream[Any, Any]) -> None:
+        # An empty cache: the snapshot (one part, a clear), then nothing.
+        await self._begin(stream)
+        resp = cache_pb2.SubscribeCacheEventsResponse(sequence_number=1, instance_id="fake")
+        resp.events.add().cleared.SetInParent()
+        resp.snapshot.count = 1
         await stream.send_message(resp)
 
 
