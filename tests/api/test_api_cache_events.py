@@ -153,3 +153,22 @@ async def test_a_number_from_the_future_is_invalid_argument(server: RunningServe
             async with subscribe(server, part.sequence_number + 1000, part.instance_id) as future:
                 await next_response(future)
         assert info.value.status is Status.INVALID_ARGUMENT
+
+
+async def test_flush_cache_reaches_subscribers_as_a_cleared_event(server: RunningServer) -> None:
+    async with subscribe(server) as stream:
+        part, blocks = await read_snapshot(stream)
+        prompt = prompt_of(3)
+        await generate(server, prompt)
+        last = await collect_until(stream, blocks, part.sequence_number, blocks_of(prompt))
+        channel = Channel("127.0.0.1", server.port)
+        try:
+            await EngineServiceStub(channel).FlushCache(cache_pb2.FlushCacheRequest(), timeout=TIMEOUT_S)
+        finally:
+            channel.close()
+        while blocks:  # the flush's batch: a clear (the subscriber's copy empties)
+            response = await next_response(stream)
+            assert response.sequence_number == last + 1
+            last = response.sequence_number
+            apply(blocks, response)
+        assert any(event.WhichOneof("kind") == "cleared" for event in response.events)

@@ -181,3 +181,25 @@ async def test_cancelled_streams_leave_nothing_behind(server: RunningServer) -> 
     async with subscribe(server) as stream:  # still served at once
         await read_snapshot(stream)
     assert "Traceback" not in server.log()
+
+
+async def test_flush_cache_reaches_subscribers_as_a_cleared_event(server: RunningServer) -> None:
+    async with subscribe(server) as stream:
+        last, blocks = await read_snapshot(stream)
+        prompt = prompt_of(3)
+        await generate(server, prompt)
+        last = await collect_until(stream, blocks, last, blocks_of(prompt))
+        host, port = server.target.rsplit(":", 1)
+        channel = Channel(host, int(port))
+        try:
+            reply = await VllmClient(channel).unary("FlushCache", common_pb2.FlushCacheRequest(timeout_s=0.0),
+                                                    common_pb2.FlushCacheResponse, time_limit=TIMEOUT_S)
+            assert reply.success
+        finally:
+            channel.close()
+        while blocks:
+            batch = await next_batch(stream)
+            assert batch.sequence_number == last + 1
+            last = batch.sequence_number
+            apply(blocks, batch)
+        assert any(event.WhichOneof("data") == "cleared" for event in batch.events)

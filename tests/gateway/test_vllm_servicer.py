@@ -15,7 +15,7 @@ from engine_server.api.vllm_compat.requests import ENGINE_ID_PREFIX
 from engine_server.api.vllm_compat.tokenizer_bundle import build_tokenizer_bundle
 from engine_server.frontend.outputs import EngineState
 from fake_engine import FAIL_TOKEN, MAX_MODEL_LEN, FakeEngine, expected_tokens
-from grpclib.const import Cardinality, Status
+from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
@@ -229,14 +229,9 @@ async def test_embed(client: VllmClient) -> None:
     assert (list(reply.embedding), reply.prompt_tokens, reply.embedding_dim) == ([3.0, 0.0, 0.0, 1.0], 3, 4)
 
 
-async def test_optional_rpcs_are_unimplemented(client: VllmClient) -> None:
-    async with client.channel.request(
-        "/vllm.grpc.engine.VllmEngine/SubscribeKvEvents", Cardinality.UNARY_STREAM,
-        common_pb2.SubscribeKvEventsRequest, common_pb2.KvEventBatch, timeout=DEADLINE,
-    ) as stream:
-        await stream.send_message(common_pb2.SubscribeKvEventsRequest(), end=True)
-        with pytest.raises(GRPCError) as info:
-            await stream.recv_message()
+async def test_profiling_is_unimplemented(client: VllmClient) -> None:
+    with pytest.raises(GRPCError) as info:
+        await client.unary("StartProfile", common_pb2.StartProfileRequest(), common_pb2.ProfileResponse)
     assert info.value.status is Status.UNIMPLEMENTED
 
 

@@ -2,7 +2,7 @@
 
 smg-grpc-proto ships grpcio stubs only; grpclib needs `__mapping__` (path -> Handler), written here by hand
 from `smg_grpc_proto/proto/vllm_engine.proto`. Every RPC of the service is listed: the ones this engine
-cannot serve (profiling, KV events) answer UNIMPLEMENTED, which the gateway tolerates.
+cannot serve (profiling) answer UNIMPLEMENTED, which the gateway tolerates.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ class VllmEngineBase(abc.ABC):
     async def StopProfile(self, stream: RpcStream) -> None:
         raise GRPCError(Status.UNIMPLEMENTED, "profiling is not supported by this engine")
 
-    async def SubscribeKvEvents(self, stream: RpcStream) -> None:
-        raise GRPCError(Status.UNIMPLEMENTED, "KV cache events are not published by this engine")
+    @abc.abstractmethod
+    async def SubscribeKvEvents(self, stream: RpcStream) -> None: ...
 
     def __mapping__(self) -> dict[str, Handler]:
         return {
