@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine_proto.engine.v1 import generate_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
-from engine_server.api.write_batch import BatchingTransport
+from engine_server.api.transport.write_batch import BatchingTransport
 from grpclib.client import Channel, Handler
 from grpclib.protocol import H2Protocol
 

@@ -1,4 +1,4 @@
-"""Direct calls (api/fast_path.py + StreamedGenerate.start_without_task): a streamed Generate without a
+"""Direct calls (transport/fast_path.py + StreamedGenerate.start_without_task): a streamed Generate without a
 deadline is served with no task of its own on the real AsyncEngine (simulated core); it still gets every
 token in order when the client reads slowly, and a reset, a dropped connection or a drain end it cleanly."""
 

@@ -1,5 +1,5 @@
-"""api/fast_path.py: a buffered Generate call is served by the fast path with the results, errors, metrics,
-API-key check, deadline and cancellation of grpclib's request_handler; anything else goes to it."""
+"""api/transport/fast_path.py: a buffered Generate call is served by the fast path with the results, errors,
+metrics, API-key check, deadline and cancellation of grpclib's request_handler; anything else goes to it."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from apiutil import CALL_TIMEOUT_S, completion_ids, greedy_request
 from engine_server.api.config import ServerConfig
 from engine_server.api.handle import EngineHandle
 from engine_server.api.security.config import SecurityConfig
-from engine_server.api.security.guarded_server import _grpclib_handler
 from engine_server.api.server import EngineServer
+from engine_server.api.transport.guarded_server import _grpclib_handler
 from engine_server.engine.config import EngineConfig
 from fakes import FakeEngine
 from grpclib.const import Status
@@ -249,8 +249,8 @@ def _buffered(*frames: bytes, end: bool = True, max_size: int = 100,
               lean: bool = False) -> tuple[bytes | None, list[int], Any]:
     from types import SimpleNamespace
 
-    from engine_server.api.call_streams import LeanBuffer
-    from engine_server.api.fast_path import _buffered_request
+    from engine_server.api.transport.call_streams import LeanBuffer
+    from engine_server.api.transport.fast_path import _buffered_request
     from grpclib.const import Cardinality
     from grpclib.protocol import Buffer
 

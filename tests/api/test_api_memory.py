@@ -27,11 +27,11 @@ from apiutil import CALL_TIMEOUT_S
 from engine_proto.engine.v1 import generate_pb2, info_pb2, tokenize_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from engine_server.api.config import ServerConfig
-from engine_server.api.fast_path import FastPathHandler
-from engine_server.api.h2_streams import LazyCountingH2Connection
 from engine_server.api.handle import EngineHandle
 from engine_server.api.security.config import H2Policy, SecurityConfig
 from engine_server.api.server import EngineServer
+from engine_server.api.transport.fast_path import FastPathHandler
+from engine_server.api.transport.h2_streams import LazyCountingH2Connection
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.simulated import simulated_engine_factory
 from engine_server.frontend.async_engine import AsyncEngine

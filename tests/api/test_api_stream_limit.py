@@ -16,10 +16,10 @@ import pytest
 from apiutil import greedy_request
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from engine_server.api.config import ServerConfig
-from engine_server.api.fast_send import FastSender
 from engine_server.api.handle import EngineHandle
 from engine_server.api.server import EngineServer
 from engine_server.api.stream_limit import LocalStreamLimit
+from engine_server.api.transport.fast_send import FastSender
 from engine_server.engine.config import EngineConfig
 from fakes import FakeEngine
 from grpclib.client import Channel

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from engine_server.api.fast_send import FastSender
 from engine_server.api.metrics import ServerMetrics
+from engine_server.api.transport.fast_send import FastSender
 from engine_server.api.vllm_compat import VllmEngineServicer
 from engine_server.api.vllm_compat.output_writer import OutputWriter
 from engine_server.api.vllm_compat.responses import ResponseBuilder

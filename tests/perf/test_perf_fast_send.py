@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from engine_proto.engine.v1 import generate_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
-from engine_server.api.fast_send import OK_TRAILERS_BLOCK, FastSender, initial_headers_block
 from engine_server.api.security import build_server
 from engine_server.api.security.config import SecurityConfig
+from engine_server.api.transport.fast_send import OK_TRAILERS_BLOCK, FastSender, initial_headers_block
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Handler
 from grpclib.events import SendInitialMetadata, SendMessage, SendTrailingMetadata, listen
@@ -93,7 +93,7 @@ async def test_fast_send_matches_the_protocol(listener: Any) -> None:
         connection = service.connection
         assert (connection.messages_sent, connection.data_sent) == (3 * len(SIZES), 3 * sum(sizes))
         assert connection.last_data_sent is not None
-        guard = connection._transport.get_protocol()  # api/security/h2_guard.py: every frame sent is counted
+        guard = connection._transport.get_protocol()  # api/transport/h2_guard.py: every frame sent is counted
         assert guard._num_sends >= 3 * (len(SIZES) + 2)  # DATA frames, and headers + trailers per call
         assert connection.last_message_sent >= connection.last_data_sent
         fast = listener is None
@@ -107,7 +107,7 @@ async def test_fast_send_matches_the_protocol(listener: Any) -> None:
 
 
 def test_headers_marked_by_hand_leave_h2s_stream_as_h2_would() -> None:
-    from engine_server.api.fast_send import mark_headers_sent
+    from engine_server.api.transport.fast_send import mark_headers_sent
     from h2.config import H2Configuration
     from h2.connection import H2Connection
     from h2.stream import StreamInputs

@@ -6,7 +6,7 @@ import asyncio
 import pickle
 from typing import Any
 
-from engine_server.api.write_batch import BatchingTransport
+from engine_server.api.transport.write_batch import BatchingTransport
 from engine_server.engine.types import CompletionDelta, FinishReason, TokenLogprob
 
 

@@ -72,7 +72,7 @@ REQUESTS: dict[str, Callable[[int], bytes]] = {
     "/engine.v1.EngineService/NoSuchMethod": _empty,
     "/no.such.Service/Method": _empty,
 }
-# NOTE: weighted towards the Generate methods: their calls take the fast path (api/fast_path.py)
+# NOTE: weighted towards the Generate methods: their calls take the fast path (api/transport/fast_path.py)
 PATHS = (GENERATE, GENERATE, GENERATE, VLLM_GENERATE, VLLM_GENERATE, *REQUESTS)
 
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 from engine_proto.engine.v1 import generate_pb2
-from engine_server.api.fast_path import DirectCall, DirectStart, FastPathHandler
 from engine_server.api.security import H2Policy, SecurityConfig, build_server
 from engine_server.api.security.budget import GuardStats, TokenBucket
-from engine_server.api.security.guarded_server import GuardedServer
 from engine_server.api.security.metrics import register_guard_metrics
+from engine_server.api.transport.fast_path import DirectCall, DirectStart, FastPathHandler
+from engine_server.api.transport.guarded_server import GuardedServer
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.health.service import Health

@@ -11,7 +11,7 @@ from engine_proto.engine.v1 import engine_service_pb2_grpc
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from engine_proto.engine.v1.tokenize_pb2 import TokenizeRequest
 from engine_server.api.security import SecurityConfig
-from engine_server.api.security.limits import MESSAGE_PREFIX
+from engine_server.api.transport.limits import MESSAGE_PREFIX
 from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError

@@ -1,5 +1,5 @@
-"""api/call_streams.py: LeanBuffer reads, acknowledges and counts exactly as grpclib's Buffer, whether its
-Queue was made before the data arrived or after; LeanStream makes its Events on first use."""
+"""api/transport/call_streams.py: LeanBuffer reads, acknowledges and counts exactly as grpclib's Buffer,
+whether its Queue was made before the data arrived or after; LeanStream makes its Events on first use."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from engine_server.api.call_streams import LeanBuffer, LeanStream
+from engine_server.api.transport.call_streams import LeanBuffer, LeanStream
 from grpclib.protocol import Buffer
 
 FRAMES = [b"\x00\x00\x00\x00\x05hel", b"lo", b"\x00\x00\x00\x00\x02ok"]

@@ -1,5 +1,5 @@
-"""api/h2_streams.py: the lazy open-stream count behaves exactly like h2's own (same events, same frames) and
-still drops closed streams from the table; a stream past the limit is refused alone (RST_STREAM
+"""api/transport/h2_streams.py: the lazy open-stream count behaves exactly like h2's own (same events, same
+frames) and still drops closed streams from the table; a stream past the limit is refused alone (RST_STREAM
 REFUSED_STREAM, RFC 9113 5.1.2), where h2 fails the whole connection."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import struct
 from typing import Any
 
 import pytest
-from engine_server.api.h2_streams import CachingDecoder, LazyCountingH2Connection, use_lazy_counting
+from engine_server.api.transport.h2_streams import CachingDecoder, LazyCountingH2Connection, use_lazy_counting
 from h2.config import H2Configuration
 from h2.connection import ConnectionState, H2Connection
 from h2.errors import ErrorCodes
@@ -333,7 +333,7 @@ def _frames_and_errors(buffer_class: type, chunks: list[bytes], max_frame_size: 
 def test_plain_frames_are_built_as_hyperframe_parses_them() -> None:
     """Random frame sequences, cut at random places: the same frames (class, flags, fields) or the same error
     as h2's own buffer, whichever way each frame was built."""
-    from engine_server.api.h2_streams import _QuietFrameBuffer
+    from engine_server.api.transport.h2_streams import _QuietFrameBuffer
     from h2.frame_buffer import FrameBuffer
 
     rng = random.Random(7)

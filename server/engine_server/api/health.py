@@ -19,7 +19,7 @@ from grpclib.health.check import CheckBase
 from grpclib.health.service import OVERALL, Health
 
 if TYPE_CHECKING:
-    from grpclib._typing import IServable
+    from engine_server.api.transport import IServable
 
 
 class LiveCheck(CheckBase):

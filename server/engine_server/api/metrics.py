@@ -175,7 +175,7 @@ class _CallCounter:
         )
 
     def wrap_method(self, method_func: Any, *, method_name: str, metadata: Any, peer: Any) -> Any:
-        """What the listener does to a call (also applied directly by api/fast_path.py)."""
+        """What the listener does to a call (also applied directly by transport/fast_path.py)."""
         requests = self._requests
         rpc = method_name.rsplit("/", 1)[-1]
 
@@ -201,7 +201,7 @@ class _CallCounter:
         return counted
 
     def admits_direct(self, method_name: str, metadata: Any) -> bool:
-        """Every call may go on as it is; it is counted at its end (api/fast_path.DirectListener)."""
+        """Every call may go on as it is; it is counted at its end (transport/fast_path.DirectListener)."""
         return True
 
     def direct_call_ended(self, method_name: str, status: Status) -> None:

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 from engine_proto.engine.v1 import info_pb2
 from grpclib.reflection.service import ServerReflection
 
-from engine_server.api.fast_path import FastPathHandler
 from engine_server.api.health import build_health
 from engine_server.api.in_flight import InFlight
 from engine_server.api.metrics import ServerMetrics
@@ -36,6 +35,7 @@ from engine_server.api.security import build_server
 from engine_server.api.security.metrics import register_guard_metrics
 from engine_server.api.servicer import EngineServicer
 from engine_server.api.stream_limit import LocalStreamLimit
+from engine_server.api.transport.fast_path import FastPathHandler
 from engine_server.api.vllm_compat import SERVICE_NAME as VLLM_SERVICE
 from engine_server.api.vllm_compat import VllmCompatOptions, VllmEngineServicer
 from engine_server.frontend.outputs import EngineState, GenerateRequest
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EngineStarter = Callable[[], Awaitable["EngineHandle"]]
-# The streaming calls worth api/fast_path.py (the gateway's and ours); every other call takes grpclib's path.
+# The streaming calls worth transport/fast_path.py (the gateway's and ours); any other takes grpclib's path.
 _FAST_METHODS = (EngineServicer.GENERATE_PATH, f"/{VLLM_SERVICE}/Generate")
 _HANDLER_GRACE_S = 5.0  # after the engine drained: time for handlers to flush their last messages
 

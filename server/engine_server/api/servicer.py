@@ -18,20 +18,20 @@ from engine_server.api import convert, responses
 from engine_server.api.cache_events import serve_cache_events
 from engine_server.api.errors import RequestFailed, ServerBusy, to_grpc_error
 from engine_server.api.in_flight import InFlight
-from engine_server.api.security.limits import count_received
 from engine_server.api.security.oneofs import oneof_conflict
 from engine_server.api.stream_limit import LocalStreamLimit, StreamSlot
 from engine_server.api.streamed_generate import StreamedGenerate
+from engine_server.api.transport.limits import count_received
 from engine_server.frontend.outputs import EngineState
 from engine_server.frontend.types import EngineDead
 
 if TYPE_CHECKING:
     from grpclib.server import Stream
 
-    from engine_server.api.fast_path import DirectCall
     from engine_server.api.handle import EngineHandle, OutputStream
     from engine_server.api.metrics import ServerMetrics
     from engine_server.api.stream_limit import StreamLimit
+    from engine_server.api.transport.fast_path import DirectCall
     from engine_server.frontend.outputs import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ _STATE = {
 class EngineServicer(EngineServiceBase):
     """Stateless per call; holds the engine handle (attached once loaded) and the server-wide stream count."""
 
-    GENERATE_PATH = "/engine.v1.EngineService/Generate"  # served by api/fast_path.py when the call qualifies
+    GENERATE_PATH = "/engine.v1.EngineService/Generate"  # transport/fast_path.py serves it when it can
 
     def __init__(
         self, *, served_model_name: str, max_concurrent_streams: int, metrics: ServerMetrics | None = None,
@@ -107,7 +107,7 @@ class EngineServicer(EngineServiceBase):
         """The request and the engine to serve it, or the status that refuses the call.
 
         NOTE: reading stays outside the error mapping, so what `recv_message` raises (an oversized
-        message's RESOURCE_EXHAUSTED from api/security/limits.py, a dropped stream) reaches grpclib unchanged
+        message's RESOURCE_EXHAUSTED from transport/limits.py, a dropped stream) reaches grpclib unchanged
         rather than as INTERNAL; a server that cannot serve says UNAVAILABLE before the message is looked at.
         """
         msg = await stream.recv_message()
@@ -198,7 +198,7 @@ class EngineServicer(EngineServiceBase):
         self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse], body: bytes,
         call: DirectCall,
     ) -> bool:
-        """A streamed Generate served without a task of its own (api/fast_path.py's direct calls).
+        """A streamed Generate served without a task of its own (transport/fast_path.py's direct calls).
 
         Admits the request and sends the headers here; the messages and the end then leave from the engine's
         output task (StreamedGenerate.push), and the call takes a task (`call.continue_in_task`) only if that

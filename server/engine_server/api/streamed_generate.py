@@ -1,14 +1,14 @@
 """One streamed engine.v1 Generate call's responses, from its response headers to its end.
 
 NOTE: the response headers go out at admission, so that every later message can take the push path: the
-engine's output task hands each output to `push`, which writes it in place (api/fast_send.py) without waking
-the call's task (one task switch per stream per engine step was the largest cost at 256 streams). What
+engine's output task hands each output to `push`, which writes it in place (transport/fast_send.py) without
+waking the call's task (one task switch per stream per engine step was the largest cost at 256 streams). What
 `push` declines (a full flow-control window, paused writes, an error) comes back through the stream's
 iterator, in order, and is sent by the call's task with grpclib's path.
 
 Two ways to run a call: on its task (`await run()`), or with no task at all (`start_without_task`, for
-api/fast_path.py's direct calls): the call then ends in `push`, and asks for a task only when the push path
-cannot go on (an output it declined, an error, an end that cannot leave at once).
+transport/fast_path.py's direct calls): the call then ends in `push`, and asks for a task only when the push
+path cannot go on (an output it declined, an error, an end that cannot leave at once).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from engine_server.api import responses
 from engine_server.api.errors import RequestFailed
-from engine_server.api.fast_send import FastSender
 from engine_server.api.stream_limit import StreamSlot
+from engine_server.api.transport.fast_send import FastSender
 
 if TYPE_CHECKING:
     from grpclib.server import Stream

@@ -51,8 +51,8 @@ class RequestStream:
         (an output the sink declined, an error, the end) while no `__anext__` waits; None: no more calls.
 
         For a consumer that does not wait in `__anext__` while the sink takes everything (the servicer's
-        task-less Generate, api/fast_path.py). False: the stream has something for a consumer already (the
-        callback is not kept).
+        task-less Generate, api/transport/fast_path.py). False: the stream has something for a consumer
+        already (the callback is not kept).
         """
         state = self._state
         if callback is not None and (state.declined or state.has_news or state.error is not None

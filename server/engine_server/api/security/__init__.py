@@ -51,8 +51,6 @@ import functools
 from collections.abc import Collection
 from typing import Any
 
-from grpclib._typing import IServable
-
 from engine_server.api.security.auth import install_api_key_check, resolve_api_key
 from engine_server.api.security.budget import GuardStats
 from engine_server.api.security.config import (
@@ -62,8 +60,9 @@ from engine_server.api.security.config import (
     H2Policy,
     SecurityConfig,
 )
-from engine_server.api.security.guarded_server import GuardedServer
-from engine_server.api.security.limits import install_message_size_limit
+from engine_server.api.transport import IServable
+from engine_server.api.transport.guarded_server import GuardedServer
+from engine_server.api.transport.limits import install_message_size_limit
 
 __all__ = [
     "AUTH_EXEMPT_SERVICES",
@@ -92,7 +91,7 @@ def build_server(
     """
     if "handler_factory" not in server_kwargs:
         # NOTE: imported here: fast_path imports modules of this package
-        from engine_server.api.fast_path import FastPathHandler
+        from engine_server.api.transport.fast_path import FastPathHandler
 
         server_kwargs["handler_factory"] = functools.partial(FastPathHandler, fast_methods=())
     cert_reload = None

@@ -74,7 +74,7 @@ class ApiKeyCheck:
         )
 
     def wrap_method(self, method_func: Any, *, method_name: str, metadata: Any, peer: Any) -> Any:
-        """What the listener does to a call (also applied directly by api/fast_path.py)."""
+        """What the listener does to a call (also applied directly by transport/fast_path.py)."""
         if self.admits_direct(method_name, metadata):
             return method_func
         self.num_rejected += 1
@@ -84,11 +84,11 @@ class ApiKeyCheck:
         return _reject
 
     def admits_direct(self, method_name: str, metadata: Any) -> bool:
-        """The call may go on as it is: exempt, or it presents the key (api/fast_path.DirectListener)."""
+        """The call may go on as it is: exempt, or it presents the key (fast_path.DirectListener)."""
         return self.is_exempt(method_name) or self.is_valid(presented_key(metadata))
 
     def direct_call_ended(self, method_name: str, status: Status) -> None:
-        """Nothing to do at a call's end (api/fast_path.DirectListener)."""
+        """Nothing to do at a call's end (transport/fast_path.DirectListener)."""
 
 
 async def _reject(stream: Stream[Any, Any]) -> None:

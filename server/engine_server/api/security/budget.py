@@ -12,7 +12,7 @@ class GuardStats:
     goaways: dict[str, int] = field(default_factory=dict)  # reason -> connections closed
     num_refused_streams: int = 0  # RST_STREAM(REFUSED_STREAM): past the stream limit, or handlers unwinding
     num_dropped_streams: int = 0  # opened and reset in one batch: never dispatched
-    num_fast_path_calls: int = 0  # calls served by api/fast_path.py
+    num_fast_path_calls: int = 0  # calls served by api/transport/fast_path.py
     num_direct_calls: int = 0  # of those, calls started without a task of their own
 
     def count_goaway(self, reason: str) -> None:

@@ -37,7 +37,7 @@ class GuardStatsCollector(Collector):
         )
         yield CounterMetricFamily(
             "engine_grpc_fast_path_calls",
-            "calls served by the buffered-call fast path (api/fast_path.py), not grpclib's request handler",
+            "calls served by the buffered-call fast path (transport/fast_path.py), not grpclib's handler",
             value=self._stats.num_fast_path_calls,
         )
         yield CounterMetricFamily(

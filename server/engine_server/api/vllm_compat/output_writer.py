@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from .responses import EngineRequestFailed, ResponseBuilder
 
 if TYPE_CHECKING:
-    from engine_server.api.fast_send import FastSender
     from engine_server.api.metrics import RequestTimer
+    from engine_server.api.transport.fast_send import FastSender
     from engine_server.frontend.outputs import GenerateOutput
 
 

@@ -25,11 +25,11 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from engine_server.api.fast_send import FastSender
 from engine_server.api.in_flight import InFlight
-from engine_server.api.security.limits import count_received
 from engine_server.api.security.oneofs import oneof_conflict
 from engine_server.api.stream_limit import StreamSlot
+from engine_server.api.transport.fast_send import FastSender
+from engine_server.api.transport.limits import count_received
 from engine_server.frontend.outputs import EngineState
 
 from .engine_handle import EngineHandle
@@ -43,9 +43,9 @@ from .service import RpcStream, VllmEngineBase
 from .tokenizer_bundle import TokenizerBundle, build_tokenizer_bundle
 
 if TYPE_CHECKING:
-    from engine_server.api.fast_path import DirectCall
     from engine_server.api.metrics import RequestTimer, ServerMetrics
     from engine_server.api.stream_limit import StreamLimit
+    from engine_server.api.transport.fast_path import DirectCall
     from engine_server.frontend.outputs import GenerateRequest
 
     from .engine_handle import OutputStream
@@ -197,14 +197,14 @@ class VllmEngineServicer(VllmEngineBase):
         metrics = self._metrics
         timer = metrics.request_timer() if metrics is not None else None
         # NOTE: messages as hand-built DATA frames, the bytes grpclib's send_message would write
-        # (api/fast_send.py); grpclib's path for anything unusual.
+        # (transport/fast_send.py); grpclib's path for anything unusual.
         sender = FastSender(stream, before_end=slot.release if slot is not None else None)
         writer = OutputWriter(builder, sender, timer)
         outputs = engine.generate(generate_request)
         return _GenerateCall(request, generate_request, builder, sender, writer, outputs, metrics, timer)
 
     def start_generate(self, stream: RpcStream, body: bytes, direct: DirectCall) -> bool:
-        """A streamed Generate served without a task of its own (api/fast_path.py's direct calls), as
+        """A streamed Generate served without a task of its own (transport/fast_path.py's direct calls), as
         engine.v1's `EngineServicer.start_generate`: admitted and its headers sent here, its messages and end
         written by the engine's output task (`OutputWriter.push`), a task only if that cannot go on. False:
         nothing was done or sent (`Generate` then serves the call on a task, errors included)."""

@@ -1,7 +1,7 @@
 """The buffered-call fast path: grpclib's per-call machinery skipped where its answers are already known.
 
 grpclib runs every call through `request_handler`: header checks, deadline parsing, metadata decoding, the
-RecvRequest listener chain (here: the message-size limit of api/security/limits.py), a receive that awaits
+RecvRequest listener chain (here: the message-size limit of api/transport/limits.py), a receive that awaits
 the request through an asyncio.Queue, then the method. For the commonest call (a unary request that is
 already complete when its task starts: HEADERS and DATA+END_STREAM arrive together from every gRPC client),
 most of that has a known answer: ~20-30 us of the ~240 us a Generate call cost the frontend here (1-token
@@ -46,10 +46,10 @@ from grpclib.protocol import UnackedData
 from grpclib.server import Handler, Stream, request_handler
 from grpclib.utils import DeadlineWrapper, Wrapper
 
-from engine_server.api.call_streams import LeanBuffer
 from engine_server.api.rate_limited_log import RateLimitedLog
 from engine_server.api.security.budget import GuardStats
-from engine_server.api.security.limits import MESSAGE_PREFIX, MessageSizeLimit, decode_received
+from engine_server.api.transport.call_streams import LeanBuffer
+from engine_server.api.transport.limits import MESSAGE_PREFIX, MessageSizeLimit, decode_received
 
 log = logging.getLogger(__name__)
 

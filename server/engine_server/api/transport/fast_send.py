@@ -29,9 +29,9 @@ from grpclib.events import SendInitialMetadata, SendMessage, SendTrailingMetadat
 from h2.connection import ConnectionState
 from h2.stream import StreamClosedBy, StreamState
 
-from engine_server.api.h2_streams import DATA, END_HEADERS, END_STREAM, FRAME_HEADER, HEADERS
-from engine_server.api.security.limits import MESSAGE_PREFIX
-from engine_server.api.write_batch import BatchingTransport
+from engine_server.api.transport.h2_streams import DATA, END_HEADERS, END_STREAM, FRAME_HEADER, HEADERS
+from engine_server.api.transport.limits import MESSAGE_PREFIX
+from engine_server.api.transport.write_batch import BatchingTransport
 
 _pack_data_header = struct.Struct(">BHBBLBL").pack  # a DATA frame's header, then the gRPC prefix
 _MIN_MAX_FRAME_SIZE = 16384  # SETTINGS_MAX_FRAME_SIZE can only be raised from this (RFC 9113 6.5.2)

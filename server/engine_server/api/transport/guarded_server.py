@@ -16,8 +16,8 @@ from grpclib.server import Handler, Server
 from engine_server.api.rate_limited_log import RateLimitedLog
 from engine_server.api.security.budget import GuardStats
 from engine_server.api.security.config import H2Policy
-from engine_server.api.security.h2_guard import GuardedH2Protocol
 from engine_server.api.security.tls import CertificateWatcher
+from engine_server.api.transport.h2_guard import GuardedH2Protocol
 
 # (mapping, codec, status_details_codec, dispatch, *, stats, log_limit) -> the Handler of one connection
 HandlerFactory = Callable[..., Handler]

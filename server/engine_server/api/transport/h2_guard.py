@@ -9,7 +9,7 @@ grpclib sees it:
 2) Client RST_STREAM: a token bucket (`reset_burst`, `reset_rate_per_s`); empty -> GOAWAY. A stream opened
    and reset in the same batch is dropped before grpclib creates its handler, so it never reaches the engine.
 3) A stream past `max_concurrent_streams` (advertised in SETTINGS_MAX_CONCURRENT_STREAMS) gets
-   RST_STREAM(REFUSED_STREAM) alone, the connection and its other streams unharmed (api/h2_streams.py; h2
+   RST_STREAM(REFUSED_STREAM) alone, the connection and its other streams unharmed (h2_streams.py; h2
    alone failed the whole connection). Handlers of reset streams still unwinding count towards concurrency
    too (as in Go's fix): past 2x `max_concurrent_streams` running handlers, new streams are refused the same
    way. Each refusal costs a reset token.
@@ -52,8 +52,6 @@ from h2.events import (
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
 
-from engine_server.api.call_streams import LeanStream
-from engine_server.api.h2_streams import use_lazy_counting
 from engine_server.api.rate_limited_log import RateLimitedLog
 from engine_server.api.security.budget import GuardStats, TokenBucket
 from engine_server.api.security.config import H2Policy
@@ -62,7 +60,9 @@ from engine_server.api.security.goaway import (
     early_goaway_frame,
     keeps_streams_on_goaway,
 )
-from engine_server.api.write_batch import BatchingTransport
+from engine_server.api.transport.call_streams import LeanStream
+from engine_server.api.transport.h2_streams import use_lazy_counting
+from engine_server.api.transport.write_batch import BatchingTransport
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class GuardedEventsProcessor(EventsProcessor):
             with contextlib.suppress(ProtocolError):  # (closed meanwhile: nothing to answer)
                 self.connection._connection.reset_stream(event.stream_id, ErrorCodes.PROTOCOL_ERROR)
             return
-        # NOTE: as grpclib's, with a LeanStream (api/call_streams.py)
+        # NOTE: as grpclib's, with a LeanStream (transport/call_streams.py)
         connection = self.connection
         stream = LeanStream(connection, connection._connection, connection._transport,
                             stream_id=event.stream_id)
@@ -254,7 +254,7 @@ class GuardedH2Protocol(H2Protocol):
             self._control.credit(_WINDOW_UPDATES_PER_DATA_FRAME)
             on_data()
 
-        def data_frames_sent(num_frames: int) -> None:  # api/fast_send.py: a loop tick's frames at once
+        def data_frames_sent(num_frames: int) -> None:  # transport/fast_send.py: a loop tick's frames at once
             self._num_sends += num_frames
             self._control.credit(_WINDOW_UPDATES_PER_DATA_FRAME * num_frames)
             on_data()
@@ -338,7 +338,7 @@ class GuardedH2Protocol(H2Protocol):
                     if event.stream_id in dropped_ids:
                         continue
                 elif event.error_code == ErrorCodes.REFUSED_STREAM:
-                    # 3) past SETTINGS_MAX_CONCURRENT_STREAMS: refused alone (api/h2_streams.py), no handler
+                    # 3) past SETTINGS_MAX_CONCURRENT_STREAMS: refused alone (h2_streams.py), no handler
                     self._stats.num_refused_streams += 1
                     if not self._resets.take(now):
                         self._goaway("too_many_refused_streams")

@@ -127,7 +127,7 @@ class MessageSizeLimit:
 
     def wrap_method(self, method_func: Any) -> Any:
         """`method_func` with its stream's reads bounded: what the listener makes of every call's method
-        (api/fast_path.py applies it to the calls it serves itself)."""
+        (api/transport/fast_path.py applies it to the calls it serves itself)."""
         max_size = self.max_receive_message_size
         timeout_s = self.receive_timeout_s
 

@@ -196,7 +196,7 @@ def _quiet_class(frame_class: type[Frame]) -> type[Frame]:
     return quiet
 
 
-# HTTP/2 frame layout (RFC 9113 4.1): what the buffer below parses and api/fast_send.py writes
+# HTTP/2 frame layout (RFC 9113 4.1): what the buffer below parses and api/transport/fast_send.py writes
 FRAME_HEADER = struct.Struct(">BHBBL")  # 24-bit length (as 8 + 16 bits), type, flags, stream id
 DATA, HEADERS = 0x0, 0x1
 END_STREAM, END_HEADERS = 0x1, 0x4
@@ -394,7 +394,7 @@ class LazyCountingH2Connection(H2Connection):
         try:
             return super()._receive_headers_frame(frame)
         except TooManyStreamsError:
-            # NOTE: h2 raises it before anything changed (tests/security/test_grpclib_internals.py)
+            # NOTE: h2 raises it before anything changed (tests/security/test_transport_internals.py)
             return self._refuse_stream(frame)
 
     def _refuse_stream(self, frame: HeadersFrame) -> tuple[list[Frame], list[Event]]:

@@ -4,7 +4,7 @@ use made on first use.
 grpclib builds, for every call, three asyncio.Events on its protocol Stream (window updates, and a client's
 headers and trailers) and a Buffer around an asyncio.Queue (with an Event of its own) and a deque: ~4 us per
 call here, before anything is received. A unary-request call (a Generate) receives one DATA frame and the
-end of its stream, and the fast path (api/fast_path.py) takes that from the buffer without ever waiting on
+end of its stream, and the fast path (fast_path.py) takes that from the buffer without ever waiting on
 it. `LeanStream` / `LeanBuffer` keep received data in a list until someone reads the buffer the way grpclib
 does, and make the Events, the Queue and the deque when they are first asked for: the same objects and
 behaviour from then on.
