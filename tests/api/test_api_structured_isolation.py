@@ -127,7 +127,7 @@ async def test_running_requests_do_not_slow_down_while_constraints_compile(
         # that size in some stream (the p99 gap) and in the first token of the probes admitted meanwhile. What
         # a hostile request costs otherwise (its 60 KB message read, converted and piped; its prefill and two
         # tokens in the batch) is a request's ordinary share: a few ms at the tail on a shared 2-core machine
-        # (a CI run saw 8 ms), far under one compile, which every flood round would otherwise add several times.
+        # (a CI run saw 8 ms), far under one compile, which every flood round would otherwise add a few times.
         assert busy_gap <= quiet_gap * 1.3 + 0.5e-3
         assert busy_p99 <= quiet_p99 * 2 + 15e-3
         assert busy_ttft <= quiet_ttft * 1.5 + 5e-3
