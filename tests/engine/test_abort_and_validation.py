@@ -1,9 +1,11 @@
-"""Abort frees everything; invalid requests are refused with the field named; others keep going."""
+"""Abort frees everything; invalid requests are refused at admission with the field named (the frontend's
+validation, against the engine's model), a request id in use by the engine itself; others keep going."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from engine_server.engine.types import (
     RequestError,
     SamplingParams,
 )
+from engine_server.frontend.validation import validate_request
 from engine_testutil import Collected, engine_config, reference_greedy
 
 
@@ -146,8 +149,12 @@ def test_invalid_requests_are_refused_and_others_keep_running(model_dir: Path, r
         params = {k: v for k, v in case.items() if k not in ("prompt", "request_id")}
         request = EngineRequest(case.get("request_id", f"bad-{name}"), case.get("prompt", (5, 6, 7)),
                                 SamplingParams(**params))
+        if name == "duplicate request id":  # the engine's own state: only it knows
+            admit = engine.add_request
+        else:
+            admit = partial(validate_request, info=engine.model_info, max_num_seqs=engine.config.max_num_seqs)
         with pytest.raises(RequestError) as err:
-            engine.add_request(request)
+            admit(request)
         assert err.value.field_name == field_name, name
         out.add(engine.step())
     while engine.has_unfinished():
@@ -155,6 +162,23 @@ def test_invalid_requests_are_refused_and_others_keep_running(model_dir: Path, r
     want = reference_greedy(ref_model, [list(good_prompt)], [20], eos_id=1)[0]
     assert out.tokens[("busy", 0)] == want
     assert set(out.finish) == {("busy", 0)}
+
+
+@pytest.mark.parametrize(("name", "request_fields"), [
+    ("token == vocab", {"prompt_token_ids": (5, 1024)}),
+    ("negative token", {"prompt_token_ids": (5, -1)}),
+    ("prompt fills max_model_len", {"prompt_token_ids": (5,) * 256}),
+    ("stop id outside vocab", {"params": SamplingParams(stop_token_ids=(5000,))}),
+    ("logit_bias id outside vocab", {"params": SamplingParams(logit_bias=((1024, 1.0),))}),
+])
+def test_the_engine_still_refuses_what_would_index_out_of_bounds(model_dir: Path, name: str,
+                                                                 request_fields: dict[str, Any]) -> None:
+    # NOTE: asserts (the frontend refuses these first); nothing of the request stays in the engine
+    engine = LLMEngine(engine_config(model_dir, max_model_len=256, num_kv_blocks=64))
+    request = dataclasses.replace(EngineRequest("unsafe", (5, 6, 7), SamplingParams()), **request_fields)
+    with pytest.raises(AssertionError):
+        engine.add_request(request)
+    assert not engine.has_unfinished(), name
 
 
 @pytest.mark.parametrize(("field_name", "kwargs"), [

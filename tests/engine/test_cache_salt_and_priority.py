@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import EngineRequest, RequestError, SamplingParams
+from engine_server.frontend.validation import validate_request
 from engine_testutil import Collected, engine_config, run
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
@@ -41,8 +42,9 @@ def test_different_salts_never_share_cached_blocks_and_equal_salts_do(engine: LL
 
 
 def test_a_cache_salt_over_the_bound_is_refused(engine: LLMEngine) -> None:
-    with pytest.raises(RequestError, match="cache_salt"):
-        engine.add_request(EngineRequest("long-salt", _prompt(4002), GREEDY, cache_salt="x" * 257))
+    with pytest.raises(RequestError, match="cache_salt"):  # at admission, in the frontend
+        validate_request(EngineRequest("long-salt", _prompt(4002), GREEDY, cache_salt="x" * 257),
+                         engine.model_info)
 
 
 # --- FlushCache ---------------------------------------------------------------------------------------

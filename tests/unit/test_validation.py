@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.types import EngineRequest, RequestError, SamplingParams
-from engine_server.engine.validation import validate_request
+from engine_server.frontend.validation import validate_request
 
 VOCAB = 100
 INFO = ModelInfo(

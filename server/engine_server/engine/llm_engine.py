@@ -33,7 +33,6 @@ from engine_server.engine.types import (
     RequestError,
     TokenLogprob,
 )
-from engine_server.engine.validation import validate_request
 
 if TYPE_CHECKING:
     from engine_server.engine.structured.compiler import CompileJob, GrammarCompiler
@@ -56,6 +55,23 @@ class _RequestState:
     finished_indices: set[int] = field(default_factory=set)
     compile_job: CompileJob | None = None  # its constraint is compiling; index 0 waits outside the scheduler
 
+
+
+def _assert_memory_safe(request: EngineRequest, info: ModelInfo) -> None:
+    """What add_request checks of a request again: only what guards memory, for a caller that skipped the
+    frontend's validation (a test, a tool). Asserts, not errors: the frontend refuses such a request first.
+
+    NOTE: a token id outside [0, vocab) indexes past the embedding table and, through logit_bias and
+    min_tokens' stop-token masking, past the logits row (on CUDA a device-side assert that leaves the context
+    unusable); a prompt of max_model_len tokens or more puts positions past the rotary tables and past the
+    block tables the attention kernels read without bounds checks.
+    """
+    prompt = request.prompt_token_ids
+    assert 0 < len(prompt) < info.max_model_len, "the prompt's length is checked at admission"
+    params = request.params
+    for token_ids in (prompt, params.stop_token_ids, tuple(token_id for token_id, _ in params.logit_bias)):
+        assert not token_ids or (min(token_ids) >= 0 and max(token_ids) < info.vocab_size), (
+            "token ids are checked at admission")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -97,12 +113,15 @@ class LLMEngine:
 
     # 1) admission
     def add_request(self, request: EngineRequest) -> None:
-        validate_request(request, self.model_info)
+        """Admits a request that the frontend has validated (frontend/validation.py: once, at admission).
+
+        Raises RequestError for a request id in use and EngineOverloaded when the waiting queue is full: the
+        engine's own state, which only it knows.
+        """
+        _assert_memory_safe(request, self.model_info)
         params = request.params
         if request.request_id in self._requests:
             raise RequestError("request_id", f"{request.request_id!r} is already in use")
-        if params.n > self.config.max_num_seqs:
-            raise RequestError("n", f"must be <= max_num_seqs ({self.config.max_num_seqs}), got {params.n}")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are waiting; retry later")
         num_prompt = len(request.prompt_token_ids)

@@ -108,9 +108,11 @@ class AsyncEngine:
             raise EngineLoadError(f"cannot load model {config.model!r}: the directory does not exist "
                                   f"(models load from a local directory only)")
         if validator is None:
-            from engine_server.engine.validation import validate_request
+            from functools import partial
 
-            validator = validate_request
+            from engine_server.frontend.validation import validate_request
+
+            validator = partial(validate_request, max_num_seqs=config.max_num_seqs)
         client, ready = await CoreClient.start(config, in_process=in_process, engine_factory=engine_factory)
         try:
             tokenizer = await asyncio.to_thread(Tokenizer, ready.model_info.model_path)

@@ -13,6 +13,7 @@ import asyncio
 import multiprocessing
 import socket
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -148,7 +149,8 @@ async def _attach(
     except BaseException:
         client.abandon()
         raise
-    from engine_server.engine.validation import validate_request
+    from engine_server.frontend.validation import validate_request
 
+    validator = partial(validate_request, max_num_seqs=config.max_num_seqs)
     return engine_cls(client, first.model_info, first.stats, tokenizer=tokenizer,
-                      max_pending=config.max_num_seqs + config.max_waiting, validator=validate_request)
+                      max_pending=config.max_num_seqs + config.max_waiting, validator=validator)

@@ -1,4 +1,8 @@
-"""Checks a request against the model before admission (pure Python; raises RequestError)."""
+"""Checks a request against the model at admission, in the frontend (pure Python; raises RequestError).
+
+NOTE: the one validation of a request: the engine core does not check it again (what it still asserts guards
+memory, see `LLMEngine.add_request`). `AsyncEngine` runs it before a request crosses the pipe.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ def _check_token_ids(field_name: str, token_ids: tuple[int, ...], vocab_size: in
             raise RequestError(field_name, f"[{i}] = {token_id} is outside the vocabulary [0, {vocab_size})")
 
 
-def validate_request(request: EngineRequest, info: ModelInfo) -> None:
+def validate_request(request: EngineRequest, info: ModelInfo, *, max_num_seqs: int | None = None) -> None:
+    """Raises RequestError naming the first field that the model (or `max_num_seqs`, the engine's sequence
+    slots: a request's n completions run side by side) cannot take."""
     if not isinstance(request.request_id, str) or not request.request_id:
         raise RequestError("request_id", "must be a non-empty string")
     if len(request.request_id) > MAX_REQUEST_ID_LEN:
@@ -63,6 +69,8 @@ def validate_request(request: EngineRequest, info: ModelInfo) -> None:
         _check_token_ids("logit_bias", bias_ids, info.vocab_size)
         if len(set(bias_ids)) != len(bias_ids):
             raise RequestError("logit_bias", "has a token id more than once")
+    if max_num_seqs is not None and params.n > max_num_seqs:
+        raise RequestError("n", f"must be <= max_num_seqs ({max_num_seqs}), got {params.n}")
     if params.top_k > info.vocab_size:
         raise RequestError("top_k", f"must be <= the vocabulary size ({info.vocab_size}), got {params.top_k}")
     if params.seed is not None and not -(2**63) <= params.seed < 2**64:
