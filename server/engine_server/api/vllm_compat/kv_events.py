@@ -20,6 +20,7 @@ first batch only when the subscriber asked for them (`load_records_before_first_
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,9 @@ from engine_server.frontend.cache_events import (
 from engine_server.frontend.types import BlocksRemoved, BlocksStored, CacheEvent, EngineDead, EngineStats
 
 POLL_S = 0.1  # how often an idle stream looks at the load record
+# ENGINE_SERVER_KV_EVENTS=off: the RPC answers UNIMPLEMENTED, as before it existed (smg then routes blind:
+# the fleet benchmark's "cache_aware without events"; also a way out should a gateway misuse the stream).
+DISABLE_ENV = "ENGINE_SERVER_KV_EVENTS"
 HEARTBEAT_S = 1.0  # a load_only batch after this long without a batch
 SNAPSHOT_CHUNK_BLOCKS = 1024  # blocks per snapshot chunk (~70 KB at 16 tokens a block)
 
@@ -129,6 +133,8 @@ async def serve_kv_events(stream: Any, hub: CacheEventHub, loads: LoadRecords) -
     """One SubscribeKvEvents call; it ends only with an error status or when the client cancels (grpclib
     cancels this coroutine; the subscription is released on the way out)."""
     request = await stream.recv_message()
+    if os.environ.get(DISABLE_ENV) == "off":
+        raise GRPCError(Status.UNIMPLEMENTED, f"KV cache events are switched off ({DISABLE_ENV}=off)")
     if request is None:
         raise GRPCError(Status.INVALID_ARGUMENT, "empty request")
     start: int = request.start_sequence_number
