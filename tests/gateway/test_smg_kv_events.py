@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from serverproc import RunningServer, start_servers
-from smgproc import RunningGateway, start_gateway
+from serverproc import RunningServer, start_server, start_servers
+from smgproc import RunningGateway, free_port, start_gateway
 
 MODEL = "tiny"
 TIMEOUT_S = 120.0
@@ -95,3 +95,35 @@ def test_smg_applies_our_kv_events_and_routes_a_prefix_to_its_worker(
     assert all('reason="snapshot"' in k for k in resyncs), resyncs
     assert sum(resyncs.values()) == len(workers), resyncs
     assert sum(v for k, v in metrics.items() if k.startswith("smg_kv_event_gaps_total")) == 0
+
+
+def test_smg_resyncs_after_a_worker_restart() -> None:
+    """A restarted worker is a new engine instance: smg's cursor is refused (OUT_OF_RANGE), smg clears what it
+    knew of the worker and takes a snapshot, and routing sees the new worker's cache."""
+    port = free_port()
+    args = ("--served-model-name", MODEL, "--max-num-seqs", "8", "--drain-timeout", "1", "--port", str(port))
+    env = {"OMP_NUM_THREADS": "1"}
+    worker = start_server(*args, env=env)
+    try:
+        with start_gateway([worker.target], "--log-level", "info", policy="cache_aware") as gateway:
+            gateway.wait_for_workers(1)
+            wait_subscribed(gateway, [worker])
+            cached_tokens(gateway, long_prompt(11))
+            worker.stop(signal.SIGKILL)
+            worker = start_server(*args, env=env)
+            gateway.wait_for_workers(1)
+            deadline = time.monotonic() + TIMEOUT_S
+            while time.monotonic() < deadline:
+                resyncs = kv_samples(gateway, "smg_kv_event_resyncs_total")
+                if sum(v for k, v in resyncs.items() if 'reason="snapshot"' not in k):
+                    break
+                time.sleep(0.2)
+            else:
+                raise AssertionError(f"smg did not resync after the restart:\n{gateway.log()[-3000:]}")
+            assert cached_tokens(gateway, long_prompt(12))[1] == 0
+            time.sleep(0.5)
+            num_prompt, num_cached = cached_tokens(gateway, long_prompt(12) + " again")
+            assert num_cached >= num_prompt // 2
+    finally:
+        if worker.process.poll() is None:
+            worker.stop(signal.SIGKILL)
