@@ -27,6 +27,15 @@ def _both(ours: list[dict[str, Any]], peer: list[dict[str, Any]], key: str, fmt:
     return f"{_median([r[key] for r in ours]):{fmt}} / {_median([r[key] for r in peer]):{fmt}}"
 
 
+def _per_cpu(ours: list[dict[str, Any]], peer: list[dict[str, Any]]) -> str:
+    """Tokens per CPU-second of each process (every thread, spinning included): what a shared machine's
+    noise distorts least; "-" for runs from before it was recorded."""
+    if not all("tok_cpu_s" in r for r in ours + peer):
+        return "-"
+    a, b = _median([r["tok_cpu_s"] for r in ours]), _median([r["tok_cpu_s"] for r in peer])
+    return f"{a:,.0f} / {b:,.0f} ({a / b:.2f}x)"
+
+
 def latest(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each (model, dtype, workload) from its newest run; results in model, dtype order."""
     newest: dict[tuple[str, str, str], str] = {}
@@ -46,9 +55,9 @@ def latest(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown_tables(results: list[dict[str, Any]]) -> str:
     results = latest(results)
     lines = ["| model | dtype | workload | engine tok/s | vLLM tok/s | engine / vLLM (per round) "
-             "| TTFT p50 ms, engine / vLLM | TTFT p99 ms, engine / vLLM | ITL p50 ms, engine / vLLM "
-             "| load avg |",
-             "|---|---|---|---:|---:|---|---|---|---|---|"]
+             "| tokens per CPU-second, engine / vLLM | TTFT p50 ms, engine / vLLM "
+             "| TTFT p99 ms, engine / vLLM | ITL p50 ms, engine / vLLM | load avg |",
+             "|---|---|---|---:|---:|---|---|---|---|---|---|"]
     provenance, equality = [], []
     for res in results:
         by: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
@@ -70,6 +79,7 @@ def markdown_tables(results: list[dict[str, Any]]) -> str:
                 f"| {res['model']} | {res['dtype']} | {wl}{gap} | {ours_tok:,.0f}{ours_mode} "
                 f"| {peer_tok:,.0f}{mode} "
                 f"| **{ours_tok / peer_tok:.2f}x** ({', '.join(f'{x:.2f}' for x in per_round)}) "
+                f"| {_per_cpu(ours, peer)} "
                 f"| {_both(ours, peer, 'ttft_p50_ms', '.0f')} | {_both(ours, peer, 'ttft_p99_ms', '.0f')} "
                 f"| {_both(ours, peer, 'itl_p50_ms', '.1f')} "
                 f"| {min(loads):.1f}-{max(loads):.1f} |")

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_server.engine import attention, model_runner
+from engine_server.engine import attention, cpu_kernels, model_runner
 from engine_server.engine.attention import PagedMetadata, PrefillBatch, paged_attention_forward
 from engine_server.engine.llm_engine import LLMEngine
 from engine_testutil import (
@@ -136,7 +136,7 @@ def test_attention_layer_uses_the_kernel_for_prefill_chunks(kernel: Callable[...
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU prefill kernel")
 def test_engine_attends_short_prefill_chunks_with_the_kernel(model_dir: Path, ref_model: Any,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prefill chunks (first ones and continuations) whose context is at most KERNEL_PREFILL_MAX_CONTEXT
+    """Prefill chunks (first ones and continuations) whose context is at most kernel_prefill_max_context
     positions go to the prefill kernel, all of a step's in one call; longer ones stay on SDPA; the decode
     kernel gets decode rows only; the tokens are transformers' own."""
     sdpa_key_lens: list[int] = []
@@ -165,14 +165,15 @@ def test_engine_attends_short_prefill_chunks_with_the_kernel(model_dir: Path, re
         decode_kernel(*args)
 
     runner.prefill_kernel, runner.decode_kernel = counting_prefill, counting_decode
-    # 64-token chunks: the 150-token prompt entirely in the kernel, the 300-token one's last chunk on SDPA
-    assert_greedy_like_transformers(engine, ref_model, (150, 300, 20, 33), seed=5, max_tokens=5)
+    limit = model_runner.kernel_prefill_max_context(cpu_kernels.load().isa())  # type: ignore[union-attr]
+    # 64-token chunks: the 150-token prompt entirely in the kernel, the longer one's last chunk on SDPA
+    assert_greedy_like_transformers(engine, ref_model, (150, limit + 44, 20, 33), seed=5, max_tokens=5)
     assert sdpa_key_lens
-    assert min(sdpa_key_lens) > model_runner.KERNEL_PREFILL_MAX_CONTEXT
+    assert min(sdpa_key_lens) > limit
     chunks = [chunk for call in chunk_calls for chunk in call]
     assert any(start > 0 for start, _ in chunks)  # a continuation chunk
     assert any(len(call) > 1 for call in chunk_calls)  # several sequences' chunks in one call
-    assert all(start + rows <= model_runner.KERNEL_PREFILL_MAX_CONTEXT for start, rows in chunks)
+    assert all(start + rows <= limit for start, rows in chunks)
     layers = len(runner.kv_caches)
     assert decode_rows
     assert sum(decode_rows) <= layers * 4 * 5  # decode rows only: 4 requests x 5 tokens, per layer

@@ -60,7 +60,7 @@ def test_engine_batches_equal_length_prompts_and_matches_generate(
 
     monkeypatch.setattr(attention, "_first_chunks", spy)
     # on CPU, chunks this short go to the decode kernel; this test is about the SDPA path's batching
-    monkeypatch.setattr(model_runner, "KERNEL_PREFILL_MAX_CONTEXT", 0)
+    monkeypatch.setattr(model_runner, "kernel_prefill_max_context", lambda isa: 0)
     engine = LLMEngine(engine_config(model_dir, num_kv_blocks=128, max_num_batched_tokens=512))
     # lengths 20 (x4, interleaved with others: the runner lays them out side by side) and 33 (x2) are
     # batched; 7 and 35 run alone

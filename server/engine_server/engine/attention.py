@@ -7,7 +7,7 @@ Each layer first writes this step's K/V into the paged cache (slot mapping), the
   paged cache in place (on CPU the engine's compiled one, engine/csrc/; on CUDA its Triton one,
   engine/triton_decode.py); where neither is available, their contexts are gathered into padded groups with
   a key mask and one SDPA call per group;
-- on CPU, short prefill chunks (model_runner.KERNEL_PREFILL_MAX_CONTEXT says how short) in one call of the
+- on CPU, short prefill chunks (model_runner.kernel_prefill_max_context says how short) in one call of the
   engine's compiled prefill kernel, which also reads the paged cache in place, each token a query row over its
   sequence's positions up to its own;
 - other prefill chunks one sequence at a time, with a causal mask offset by the cached context; chunks that

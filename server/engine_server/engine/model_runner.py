@@ -30,8 +30,12 @@ DECODE_GROUP_MIN = 8  # fewer sequences than this are not worth their own SDPA c
 # contexts grow. Chunks of 100 to 1024 positions, one thread, a 2-vCPU AMD EPYC (AVX2), against batched causal
 # SDPA on contiguous tensors (what a first chunk gets; a continuation's SDPA also needs its context gathered
 # and a mask): head_dim 16 0.6-0.7x of SDPA's time at 100 to 512 positions; head_dim 64 ~0.9x at 100 to 256,
-# 1.5x at 1024; head_dim 128 (4 query heads per kv head) 0.7x at 256.
-KERNEL_PREFILL_MAX_CONTEXT = 256
+# 1.5x at 1024; head_dim 128 (4 query heads per kv head) 0.7x at 256. On an AVX-512 machine (2-vCPU AMD EPYC,
+# Zen 4; one chunk from position 0, bf16 and fp32): 0.63-0.87x at 512 positions (head_dim 32, 64 and 128),
+# 0.88-1.22x at 1000: there the limit is 512.
+def kernel_prefill_max_context(isa: str) -> int:
+    """The longest context (positions) of a prefill chunk the kernel attends, for its build's ISA."""
+    return 512 if isa == "avx512" else 256
 
 
 @dataclass(slots=True)
@@ -67,7 +71,7 @@ class ModelRunner:
         if kernels is not None:
             self.decode_kernel = kernels.paged_decode_attention
             self.prefill_kernel = kernels.paged_prefill_attention
-            self._kernel_prefill_max = KERNEL_PREFILL_MAX_CONTEXT
+            self._kernel_prefill_max = kernel_prefill_max_context(kernels.isa())
             fused = fuse_modules(model, kernels)
             self._rotary_kernels = kernels if fused["rotary"] else None
             logger.info("fused CPU kernels: %d RMSNorm and %d gated-SiLU MLP modules, rotary embedding in %d "
