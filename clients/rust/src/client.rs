@@ -6,7 +6,8 @@ use engine_proto::engine::v1::engine_service_client::EngineServiceClient;
 use engine_proto::engine::v1::{
     AbortRequest, DetokenizeRequest, EmbedRequest, EmbedResponse, FlushCacheRequest, GenerateRequest,
     GetLoadRequest, GetLoadResponse, GetModelInfoRequest, GetModelInfoResponse, GetServerInfoRequest,
-    GetServerInfoResponse, TokenizeRequest, TokenizeResponse,
+    GetServerInfoResponse, SubscribeCacheEventsRequest, SubscribeCacheEventsResponse, TokenizeRequest,
+    TokenizeResponse,
 };
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
@@ -126,6 +127,21 @@ impl Client {
     pub async fn flush_cache(&self) -> Result<u32> {
         let response = self.engine.clone().flush_cache(self.unary(FlushCacheRequest {})).await?;
         Ok(response.into_inner().num_blocks_flushed)
+    }
+
+    /// Opens the server's prefix-cache event stream (`SubscribeCacheEvents`), for a router that sends each
+    /// request to the server that already caches its prefix: a snapshot first (responses with `snapshot` set;
+    /// part 0 begins with a `cleared` event), then one response per engine step that changed the cache,
+    /// numbered without gaps, each with the server's `Load`, and heartbeats while nothing changes. Keep the
+    /// `sequence_number` of the last response applied and the `instance_id`; after an error (ABORTED: the
+    /// subscriber fell behind; UNAVAILABLE), resubscribe with `start_sequence_number` = cursor + 1 and that
+    /// `instance_id`: the server replays what was missed, or sends a snapshot. Dropping the stream cancels
+    /// the call. No deadline is applied unless the request carries one (the stream runs until dropped).
+    pub async fn subscribe_cache_events(
+        &self,
+        request: impl IntoRequest<SubscribeCacheEventsRequest>,
+    ) -> Result<tonic::Streaming<SubscribeCacheEventsResponse>> {
+        Ok(self.engine.clone().subscribe_cache_events(request).await?.into_inner())
     }
 
     /// `grpc.health.v1` status of `service`: `""` for the whole server, or [`ENGINE_SERVICE_NAME`].

@@ -5,6 +5,7 @@
 //! whose name contains NAME (and starts only the servers they need).
 
 mod cases_cache;
+mod cases_cache_events;
 mod cases_drain;
 mod cases_generate;
 mod cases_security;
@@ -157,6 +158,7 @@ fn all_cases() -> Vec<Case> {
         case!(cases_structured::choice_regex_and_grammar, &[Plain]),
         case!(cases_structured::invalid_constraint_names_the_field, &[Plain]),
         case!(cases_cache::cache_salt_priority_and_flush, &[Plain]),
+        case!(cases_cache_events::subscribe_cache_events_sees_a_completions_blocks, &[Plain]),
         case!(cases_drain::stream_survives_server_drain, &[]),
         case!(cases_unary::embed, &[Embed]),
         case!(cases_unary::generate_on_embedding_model_is_invalid, &[Embed]),
