@@ -34,6 +34,13 @@ class EngineConfig:
     grammar_cache_size: int = 256
     # The longest a step waits for its token masks; past it the rows llguidance cannot mask end (dead end).
     grammar_mask_timeout_s: float = 1.0
+    # LoRA adapters (engine/lora/): slots for adapters in use at once (0: no LoRA at all), the largest rank
+    # accepted, adapters loaded at start ((name, path) pairs, read as the operator gave them), and the
+    # directory run-time loads must resolve inside (None: no run-time loads).
+    max_adapters: int = 0
+    max_lora_rank: int = 16
+    adapters: tuple[tuple[str, str], ...] = ()
+    adapter_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -59,5 +66,10 @@ class EngineConfig:
         for name in ("grammar_compile_timeout_s", "grammar_mask_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.max_adapters < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_adapters must be >= 0 and max_lora_rank >= 1, got {self.max_adapters} and "
+                             f"{self.max_lora_rank}")
+        if (self.adapters or self.adapter_dir) and not self.max_adapters:
+            raise ValueError("adapters: LoRA adapters need max_adapters >= 1")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes: must be >= 1, got {self.kv_cache_memory_bytes}")

@@ -19,6 +19,8 @@ import torch
 from engine_server.engine.block_manager import BlockManager, cache_root
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.loader import LoadedModel, load_model
+from engine_server.engine.lora.errors import AdapterError, AdapterNotFound, AdapterSlotsFull
+from engine_server.engine.lora.manager import AdapterInfo, LoraManager
 from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.model_runner import ModelRunner, StepLogits
 from engine_server.engine.sampler import Sampler, logprobs_of
@@ -96,6 +98,14 @@ class LLMEngine:
                                       device=loaded.device, max_num_seqs=config.max_num_seqs,
                                       max_model_len=loaded.info.max_model_len)
             self.runner.check_model()
+        # LoRA: the hook goes on the linears' forwards as packed by the runner (engine/lora/apply.py)
+        self._lora: LoraManager | None = None
+        if config.max_adapters and self.runner is not None:
+            self._lora = LoraManager(loaded.model, max_adapters=config.max_adapters,
+                                     max_rank=config.max_lora_rank, dtype=loaded.dtype, device=loaded.device)
+            self.runner.lora = self._lora
+            for name, path in config.adapters:
+                self._lora.load(name, path)
         self.sampler = Sampler(vocab_size=loaded.info.vocab_size, eos_token_ids=loaded.info.eos_token_ids)
         # Structured output: the compiler starts now (its tokenizer builds in the background), so the first
         # constrained request costs the step loop no import and no tokenizer build.
@@ -128,8 +138,10 @@ class LLMEngine:
         max_tokens = self.model_info.max_model_len - num_prompt
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        lora_slot = self._pin_adapter(request)  # NOTE: the last check that may refuse: nothing to undo after
         seq = self._new_sequence(request, 0, list(request.prompt_token_ids), max_tokens)
         seq.num_siblings_to_fork = params.n - 1
+        seq.lora_slot = lora_slot
         state = _RequestState(request, {0: seq})
         self._requests[request.request_id] = state
         if request.structured_output is None:
@@ -164,6 +176,7 @@ class LLMEngine:
             seq = state.seqs[0]
             if isinstance(outcome, RequestError):
                 del self._requests[request_id]
+                self._unpin_adapter(state.request)
                 seq.status = SequenceStatus.FINISHED
                 self._rejected.append((request_id, outcome))
             else:
@@ -186,7 +199,47 @@ class LLMEngine:
                         params=request.params, token_ids=token_ids,
                         num_prompt_tokens=len(request.prompt_token_ids), max_tokens=max_tokens,
                         generator=generator, priority=request.priority, arrival=seq_id,
-                        cache_root=cache_root(request.cache_salt), cache_salt=request.cache_salt)
+                        cache_root=self._cache_root(request), cache_salt=request.cache_salt)
+
+    def _cache_root(self, request: EngineRequest) -> int:
+        if request.adapter and self._lora is not None:  # (a pinned adapter: loaded)
+            return self._lora.cache_root(request.adapter, request.cache_salt)
+        return cache_root(request.cache_salt)
+
+    # LoRA adapters (engine/lora/): a request pins its adapter's slot from admission to its end
+    def _pin_adapter(self, request: EngineRequest) -> int:
+        if not request.adapter:
+            return -1
+        if self._lora is None:
+            raise RequestError("adapter", "this server serves no LoRA adapters")
+        try:
+            return self._lora.pin(request.adapter)
+        except AdapterNotFound as e:
+            raise RequestError("adapter", str(e)) from e
+        except AdapterSlotsFull as e:
+            raise EngineOverloaded(str(e)) from e
+
+    def _unpin_adapter(self, request: EngineRequest) -> None:
+        if request.adapter and self._lora is not None:
+            self._lora.unpin(request.adapter)
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Loads a PEFT LoRA adapter (engine/lora/loader.py); an AdapterError where it is refused, with
+        nothing loaded. Run-time loads read only inside config.adapter_dir (paths resolved, symlinks too)."""
+        if self._lora is None:
+            raise AdapterError("this server serves no LoRA adapters (max_adapters is 0)")
+        if self.config.adapter_dir is None:
+            raise AdapterError("loading adapters at run time is off (no adapter directory configured)")
+        return self._lora.load(name, path, allowed_root=self.config.adapter_dir)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forgets an adapter; AdapterInUse while requests using it run or wait (they are not cut short)."""
+        if self._lora is None:
+            raise AdapterNotFound(f"no adapter named {name!r} is loaded")
+        self._lora.unload(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self._lora.infos() if self._lora is not None else []
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:
         found = [rid for rid in request_ids if rid in self._requests and rid not in self._pending_aborts]
@@ -361,6 +414,7 @@ class LLMEngine:
                 continue
             child = self._new_sequence(state.request, index, list(parent.token_ids), parent.max_tokens)
             child.arrival = parent.arrival  # NOTE: the request's place in the queue, not the fork's
+            child.lora_slot = parent.lora_slot  # (the request's pin covers all its completions)
             if parent.is_grammar_stuck:  # (its row's empty mask ends the child too)
                 child.is_grammar_stuck = True
             elif parent.matcher is not None:  # NOTE: forked before the parent's first token: the start state
@@ -439,6 +493,7 @@ class LLMEngine:
         state.finished_indices.add(index)
         if len(state.finished_indices) == state.request.params.n:
             del self._requests[state.request.request_id]
+            self._unpin_adapter(state.request)
 
     def _process_aborts(self) -> list[CompletionDelta]:
         deltas = []
@@ -446,6 +501,7 @@ class LLMEngine:
             state = self._requests.pop(request_id, None)
             if state is None:
                 continue
+            self._unpin_adapter(state.request)
             self._compiling.pop(request_id, None)
             for seq in state.seqs.values():
                 self.scheduler.remove(seq)

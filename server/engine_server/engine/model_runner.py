@@ -17,10 +17,12 @@ from engine_server.engine.attention import DecodeBatch, DecodeGroup, PagedMetada
 from engine_server.engine.cpu_kernels import CpuKernels
 from engine_server.engine.fused_modules import fuse_modules, rotary_kernel_active
 from engine_server.engine.loader import KVShape
+from engine_server.engine.lora.context import lora_active
 from engine_server.engine.scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
     from engine_server.engine.decode_graphs import DecodeGraphs
+    from engine_server.engine.lora.manager import LoraManager
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class ModelRunner:
         shape = (num_blocks + 1, block_size, kv.num_kv_heads, kv.head_dim)
         self.kv_caches = [(self._zeros(shape, dtype), self._zeros(shape, dtype))
                           for _ in range(kv.num_layers)]
+        self.lora: LoraManager | None = None  # set by the engine where it serves LoRA adapters
         self.decode_graphs: DecodeGraphs | None = None
         if device.type == "cuda" and self.decode_kernel is not None and self._has_logits_to_keep:
             from engine_server.engine import decode_graphs
@@ -132,7 +135,8 @@ class ModelRunner:
         # Sorted by context length so that each decode group pads little.
         decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
         graphs = self.decode_graphs
-        if graphs is not None and len(decodes) == len(scheduled) and graphs.fits(decodes):
+        has_lora = self.lora is not None and any(s.seq.lora_slot >= 0 for s in scheduled)
+        if graphs is not None and not has_lora and len(decodes) == len(scheduled) and graphs.fits(decodes):
             rows = {s.seq.seq_id: i for i, s in enumerate(decodes)}
             return StepLogits(graphs.run(decodes).float(), rows, {}), decodes
         # Short chunks right after the decodes (the prefill kernel's rows are one contiguous run); then first
@@ -200,7 +204,16 @@ class ModelRunner:
         pos = self._int64(positions).view(1, -1)
         keep_t = self._int64(keep)
         rotary = self._rotary_kernels
-        with rotary_kernel_active(rotary) if rotary is not None else contextlib.nullcontext():
+        lora_step = None
+        if has_lora:
+            assert self.lora is not None
+            # each row's slot, in the order the rows were laid out: the decodes', then each prefill chunk's
+            row_slots = [s.seq.lora_slot for s in decodes]
+            for s in prefills:
+                row_slots += [s.seq.lora_slot] * s.num_new_tokens
+            lora_step = self.lora.step(row_slots)
+        with (rotary_kernel_active(rotary) if rotary is not None else contextlib.nullcontext(),
+              lora_active(lora_step)):
             if self._has_logits_to_keep:
                 logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_t,
                                     paged_metadata=meta).logits[0]

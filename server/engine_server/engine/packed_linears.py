@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from engine_server.engine.cpu_kernels import CpuKernels
+from engine_server.engine.lora.context import active_lora
 
 logger = logging.getLogger(__name__)
 
@@ -166,9 +167,18 @@ def _pack_mlp(mlp: torch.nn.Module, linears: list[torch.nn.Linear], kernels: Cpu
 
     def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         both = gate_up(x)
+        # NOTE: the linears' own forwards are bypassed here, so their LoRA updates are added here (lora/):
+        # gate's and up's into their columns before the activation, down's after its GEMM
+        lora = active_lora()
+        if lora is not None:
+            lora.apply(gate, x, both[..., :width])
+            lora.apply(up, x, both[..., width:])
         out = both.new_empty((*both.shape[:-1], width))
         kernels.silu_and_mul_rows(both, out)
-        return down_packed(out)
+        down_out = down_packed(out)
+        if lora is not None:
+            lora.apply(down, out, down_out)
+        return down_out
 
     fused = types.MethodType(forward, mlp)
     probe = _probe(gate.in_features, gate.weight.dtype)

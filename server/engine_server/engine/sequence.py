@@ -43,6 +43,8 @@ class Sequence:
     # The parent hash of its first KV block: 0, or seeded by the request's cache salt (block_manager.py).
     cache_root: int = 0
     cache_salt: str = ""  # the salt itself, for the cache events that name it (kv_events.py)
+    # The LoRA slot its rows read (engine/lora/), pinned for the request's whole life; -1 = the base model.
+    lora_slot: int = -1
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

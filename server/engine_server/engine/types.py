@@ -223,10 +223,12 @@ class EngineRequest:
     cache_salt: str = ""
     # Lower is served first (vLLM's convention); equal priorities first come, first served.
     priority: int = 0
+    # The LoRA adapter (a loaded adapter's name) the request runs with; "" = the base model.
+    adapter: str = ""
 
     def __reduce__(self) -> tuple[type[EngineRequest], tuple[object, ...]]:
         return EngineRequest, (self.request_id, self.prompt_token_ids, self.params, self.structured_output,
-                               self.cache_salt, self.priority)
+                               self.cache_salt, self.priority, self.adapter)
 
 
 @dataclass(frozen=True, slots=True)
