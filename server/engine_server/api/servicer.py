@@ -17,7 +17,7 @@ import engine_server
 from engine_server.api import convert, responses
 from engine_server.api.cache_events import serve_cache_events
 from engine_server.api.errors import RequestFailed, ServerBusy, to_grpc_error
-from engine_server.api.in_flight import InFlight
+from engine_server.api.in_flight import CallResources, InFlight
 from engine_server.api.security.oneofs import oneof_conflict
 from engine_server.api.stream_limit import LocalStreamLimit, StreamSlot
 from engine_server.api.streamed_generate import StreamedGenerate
@@ -127,9 +127,9 @@ class EngineServicer(EngineServiceBase):
         msg, engine = await self._receive(stream, rpc="Generate")
         prompt = None if msg.HasField("token_ids") else await self._tokenized_prompt(msg, engine)
         request, outputs, slot = self._admit(msg, engine, prompt)
-        self._in_flight.enter()
+        resources = self._in_flight.admit(slot, outputs)
         streamed = StreamedGenerate(stream, outputs, request, slot, self._metrics) if msg.stream else None
-        await self._serve_admitted(stream, request, outputs, slot, streamed)
+        await self._serve_admitted(stream, request, outputs, resources, streamed)
 
     async def _tokenized_prompt(
         self, msg: generate_pb2.GenerateRequest, engine: EngineHandle
@@ -173,9 +173,10 @@ class EngineServicer(EngineServiceBase):
 
     async def _serve_admitted(
         self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse],
-        request: GenerateRequest, outputs: OutputStream, slot: StreamSlot, streamed: StreamedGenerate | None,
+        request: GenerateRequest, outputs: OutputStream, resources: CallResources,
+        streamed: StreamedGenerate | None,
     ) -> None:
-        """The rest of an admitted call, on its task; leaves `in_flight` (entered at admission)."""
+        """The rest of an admitted call, on its task; releases its resources (taken at admission)."""
         try:
             # NOTE: aclosing: a cancelled call (client cancel, disconnect, deadline) closes the stream, and
             # closing an unfinished stream aborts the request in the engine.
@@ -191,8 +192,7 @@ class EngineServicer(EngineServiceBase):
                          request.request_id)
             raise
         finally:
-            slot.release()  # unless the sender did, as the call's end left
-            self._in_flight.leave()
+            resources.release()
 
     def start_generate(
         self, stream: Stream[generate_pb2.GenerateRequest, generate_pb2.GenerateResponse], body: bytes,
@@ -237,26 +237,22 @@ class EngineServicer(EngineServiceBase):
             slot.release()
             return False
         count_received(stream)
-        self._in_flight.enter()
+        resources = self._in_flight.admit(slot, outputs)
         streamed = StreamedGenerate(stream, outputs, request, slot, self._metrics)
 
         def end() -> None:  # the last message and the OK trailers have left
-            outputs.close()  # (a finished request: nothing to abort, unless the engine still runs it)
-            slot.release()
-            self._in_flight.leave()
+            resources.release()  # (a finished request: nothing to abort, unless the engine still runs it)
             call.end()
 
         def resume() -> None:
             call.continue_in_task(
-                lambda stream: self._serve_admitted(stream, request, outputs, slot, streamed)
+                lambda stream: self._serve_admitted(stream, request, outputs, resources, streamed)
             )
 
         def cancel() -> None:  # the client reset the stream, or the connection is gone
             logger.debug("Generate %s: cancelled (client or disconnect): aborted", request.request_id)
             streamed.detach()
-            outputs.close()
-            slot.release()
-            self._in_flight.leave()
+            resources.release()
 
         call.on_cancel = cancel
         streamed.start_without_task(on_end=end, on_resume=resume)

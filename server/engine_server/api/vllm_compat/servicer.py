@@ -25,7 +25,7 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from engine_server.api.in_flight import InFlight
+from engine_server.api.in_flight import CallResources, InFlight
 from engine_server.api.security.oneofs import oneof_conflict
 from engine_server.api.stream_limit import StreamSlot
 from engine_server.api.transport.fast_send import FastSender
@@ -155,15 +155,21 @@ class VllmEngineServicer(VllmEngineBase):
             raise GRPCError(Status.INVALID_ARGUMENT, "empty request")
         self._last_receive_time = time.time()
         engine = self._serving_engine
-        with self._in_flight:
-            await self._generate(stream, request, engine)
+        # NOTE: counted from here (a drain waits for a call being tokenized too), released in one place
+        resources = self._in_flight.begin()
+        try:
+            await self._generate(stream, request, engine, resources)
+        finally:
+            resources.release()
 
-    async def _generate(self, stream: RpcStream, request: pb.GenerateRequest, engine: EngineHandle) -> None:
+    async def _generate(self, stream: RpcStream, request: pb.GenerateRequest, engine: EngineHandle,
+                        resources: CallResources) -> None:
         # NOTE: the slot is taken before the request is looked at (an overloaded server refuses cheaply) and
         # given back only once the engine stream (aclosing below) is closed.
         with grpc_status("Generate", request.request_id), self._stream_slot() as slot:
             text_ids = await self._tokenized_text(request, engine)
             call = self._admit(stream, request, engine, slot, text_ids)
+            resources.admitted(slot, call.outputs)
             # NOTE: aclosing: a cancelled handler (RST_STREAM) or a failed send aborts the engine request.
             async with aclosing(call.outputs):
                 await call.run()
@@ -241,17 +247,14 @@ class VllmEngineServicer(VllmEngineBase):
             return False
         count_received(stream)
         self._last_receive_time = time.time()
-        self._in_flight.enter()
+        resources = self._in_flight.admit(slot, call.outputs)
         outputs, writer = call.outputs, call.writer
 
         def leave() -> None:
             writer.on_end = None
             outputs.set_ready_callback(None)
             outputs.set_sink(None)
-            outputs.close()  # (a finished request: nothing to abort)
-            if slot is not None:
-                slot.release()
-            self._in_flight.leave()
+            resources.release()  # (a finished request: nothing to abort)
 
         def end() -> None:  # the last message and the OK trailers have left
             leave()
@@ -260,7 +263,7 @@ class VllmEngineServicer(VllmEngineBase):
 
         def resume() -> None:
             writer.on_end = None
-            direct.continue_in_task(lambda stream: self._resume(call, slot))
+            direct.continue_in_task(lambda stream: self._resume(call, resources))
 
         def cancel() -> None:  # the client reset the stream, or the connection is gone
             logger.debug("Generate %s: cancelled (client, disconnect or deadline): aborted",
@@ -277,16 +280,14 @@ class VllmEngineServicer(VllmEngineBase):
             resume()
         return True
 
-    async def _resume(self, call: _GenerateCall, slot: StreamSlot | None) -> None:
-        """The rest of a direct call, on its task; leaves `in_flight` (entered at admission)."""
+    async def _resume(self, call: _GenerateCall, resources: CallResources) -> None:
+        """The rest of a direct call, on its task; releases its resources (taken at admission)."""
         try:
             with grpc_status("Generate", call.request.request_id):
                 async with aclosing(call.outputs):
                     await call.run()
         finally:
-            if slot is not None:
-                slot.release()
-            self._in_flight.leave()
+            resources.release()
 
     async def Abort(self, stream: RpcStream) -> None:
         request = await stream.recv_message()
