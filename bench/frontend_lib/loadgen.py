@@ -135,13 +135,15 @@ class _SseConnection:
                 arrivals.append((clock(), sum(len(c["token_ids"]) for c in choices)))
 
 
-def sse_sender(host: str, port: int, *, prompt: int, output: int) -> SendFn:
+def sse_sender(host: str, port: int, *, prompt: int, output: int, openai_token_ids: bool = False) -> SendFn:
     idle: list[_SseConnection] = []
+    # vLLM's OpenAI server sends each event's token ids only when asked (`return_token_ids`)
+    extra = {"return_token_ids": True} if openai_token_ids else {}
 
     async def send(i: int, trace: RequestTrace) -> None:
         conn = idle.pop() if idle else _SseConnection(*await asyncio.open_connection(host, port), host)
         body = json.dumps({"prompt": prompt_ids(i, prompt), "max_tokens": output, "temperature": 0.0,
-                           "ignore_eos": True, "stream": True}).encode()
+                           "ignore_eos": True, "stream": True, **extra}).encode()
         await asyncio.wait_for(conn.post(body, trace), REQUEST_TIMEOUT_S)
         idle.append(conn)
 
@@ -160,7 +162,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         send = h2_sender(conn, prompt=args.prompt, output=args.output, tag=args.tag, ids_only=args.ids_only,
                          text_input=args.text_input)
     else:
-        send = sse_sender(args.host, args.port, prompt=args.prompt, output=args.output)
+        send = sse_sender(args.host, args.port, prompt=args.prompt, output=args.output,
+                          openai_token_ids=args.openai_token_ids)
     try:
         cpu0 = cpu_seconds_self()
         traces, wall_s = await closed_loop(send, concurrency=args.concurrency, num_requests=args.num_requests,
@@ -197,6 +200,8 @@ def main() -> None:
     p.add_argument("--ids-only", action="store_true", help="gRPC: ask for token ids only (return_text=false)")
     p.add_argument("--text-input", action="store_true",
                    help="gRPC: send each prompt as text (workload.prompt_text), tokenized by the server")
+    p.add_argument("--openai-token-ids", action="store_true",
+                   help="SSE: ask for each event's token ids as vLLM's OpenAI server does (return_token_ids)")
     p.add_argument("--trace-out", default=None, help="write each request's send time and TTFT here")
     args = p.parse_args()
     import uvloop
