@@ -90,6 +90,7 @@ class FakeEngineService(EngineServiceBase):
         raise GRPCError(Status.UNIMPLEMENTED)
 
     Embed = Detokenize = Abort = GetModelInfo = GetServerInfo = GetLoad = _unimplemented
+    FlushCache = SubscribeCacheEvents = _unimplemented
 
 
 @dataclass(slots=True)
