@@ -436,6 +436,44 @@ def test_unconstrained_requests_are_unchanged_by_constrained_neighbours(so_engin
 
 # 7) lifecycle: preemption, prefix cache, aborts, refusals, finish reasons
 
+def test_next_masks_fill_as_a_step_ends(so_engine: LLMEngine, text: TokenText,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoding constrained completions, each step takes the masks started as the step before ended (filled
+    while its outputs went out); a constrained request joining mid-way gets a fill of its own, and every
+    output stays valid."""
+    steps: list[tuple[bool, int]] = []  # per step with masks: (started the step before, rows filled)
+    start_masks = LLMEngine._start_masks
+
+    def spy(self: LLMEngine, scheduled: Any) -> Any:
+        early = self._next_masks
+        masks = start_masks(self, scheduled)
+        if masks is not None:
+            steps.append((masks is early, len(masks.row_of)))
+        return masks
+
+    monkeypatch.setattr(LLMEngine, "_start_masks", spy)
+    schema = _schema(WEATHER_SCHEMA)
+    first = [EngineRequest(f"early#{i}", _prompt(300 + i), _params(None, ignore_eos=True), schema)
+             for i in range(2)]
+    for request in first:
+        so_engine.add_request(request)
+    out = Collected()
+    for _ in range(4):
+        out.add(so_engine.step())
+    so_engine.add_request(EngineRequest("late", _prompt(310), _params(None), schema))
+    while so_engine.has_unfinished():
+        out.add(so_engine.step())
+    assert_idle(so_engine)
+    got = completions(out, text)
+    assert set(got) == {("early#0", 0), ("early#1", 0), ("late", 0)}
+    for completion in got.values():
+        assert completion.finish is FinishReason.STOP, completion
+        assert schema_errors(WEATHER_SCHEMA, completion.text) == [], completion
+    reused = [early for early, _ in steps[1:]]
+    assert sum(reused) >= len(reused) - 2, steps  # all but where a request joined (and the first step)
+    assert not all(reused), steps  # the late request's first step: its mask was not among the early ones
+
+
 def test_preempted_constrained_requests_stay_valid(model_dir: Path, text: TokenText) -> None:
     engine = LLMEngine(engine_config(model_dir, num_kv_blocks=20, max_num_batched_tokens=64, max_num_seqs=12))
     long_list = {"type": "array", "minItems": 5, "maxItems": 6, "items": SCHEMAS[0][1]}

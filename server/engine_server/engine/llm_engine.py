@@ -113,6 +113,9 @@ class LLMEngine:
         if self.runner is not None:
             self._compiler()
         self._mask_filler: MaskFiller | None = None
+        # The next step's masks, started as a step ends (its constrained completions go on): they fill while
+        # the step's outputs go out and the next one is scheduled, not only beside its forward pass
+        self._next_masks: MaskFill | None = None
         self._compiling: dict[str, _RequestState] = {}  # request_id -> state, oldest first
         self._rejected: list[tuple[str, RequestError]] = []  # refused after admission (their constraint)
         info = loaded.info
@@ -312,7 +315,7 @@ class LLMEngine:
         step_logits, ordered = self.runner.execute(sched.scheduled)
         if masks is not None:
             # NOTE: before anything touches a matcher again (a fork copies its parent's)
-            self._mark_stuck(masks, sched.scheduled)
+            self._finish_masks(masks)
         # 3) the KV of the scheduled tokens now exists: count it, publish full blocks to the prefix cache
         for s in ordered:
             s.seq.num_computed_tokens += s.num_new_tokens
@@ -333,29 +336,45 @@ class LLMEngine:
                     deltas.append(self._dead_end(seq))
                 else:
                     deltas.append(self._append_token(seq, token, logprob))
+            if allowed is not None:
+                self._start_next_masks([sample_seqs[i] for i in allowed.rows if i not in dead_ends])
         return deltas
 
-    def _mark_stuck(self, masks: MaskFill, scheduled: list[ScheduledSeq]) -> None:
-        """Waits for the step's masks; a row llguidance could not mask is stuck for good: its mask stays empty
-        (a dead end now) and nothing touches its matcher again (a stuck call holds it)."""
+    def _finish_masks(self, masks: MaskFill) -> None:
+        """Waits for these masks; a row llguidance could not mask is stuck for good: its mask stays empty (a
+        dead end when it next samples) and nothing touches its matcher again (a stuck call holds it)."""
         assert self._mask_filler is not None
-        stuck_rows = self._mask_filler.finish(masks)
-        if stuck_rows:
-            for s in scheduled:
-                if masks.row_of.get(s.seq.seq_id) in stuck_rows:
-                    s.seq.is_grammar_stuck = True
+        for row in self._mask_filler.finish(masks):
+            masks.seqs[row].is_grammar_stuck = True
 
     def _start_masks(self, scheduled: list[ScheduledSeq]) -> MaskFill | None:
-        """Starts filling the token masks of the constrained sequences that sample this step."""
+        """The token masks of the constrained sequences that sample this step: the ones started as the last
+        step ended where they cover them all (a row of a sequence not in this step goes unused), else a fill
+        started now."""
         constrained = [s.seq for s in scheduled if s.seq.matcher is not None and s.completes]
+        early, self._next_masks = self._next_masks, None
+        if early is not None:
+            if constrained and all(seq.seq_id in early.row_of for seq in constrained):
+                return early
+            self._finish_masks(early)  # NOTE: its matchers are borrowed until it ends
         if not constrained:
             return None
+        return self._filler().start(constrained)
+
+    def _start_next_masks(self, sampled: list[Sequence]) -> None:
+        """Starts the next step's masks of the constrained completions that sampled and go on."""
+        going_on = [seq for seq in sampled
+                    if not seq.is_grammar_stuck and seq.status is SequenceStatus.RUNNING]
+        if going_on:
+            self._next_masks = self._filler().start(going_on)
+
+    def _filler(self) -> MaskFiller:
         if self._mask_filler is None:
             from engine_server.engine.structured.masks import MaskFiller
 
             self._mask_filler = MaskFiller(self.model_info.vocab_size,
                                            timeout_s=self.config.grammar_mask_timeout_s)
-        return self._mask_filler.start(constrained)
+        return self._mask_filler
 
     def _allowed_tokens(self, masks: MaskFill | None, mask_keys: list[int | None]
                         ) -> tuple[AllowedTokens | None, set[int]]:

@@ -59,14 +59,15 @@ class AllowedTokens:
 
 
 class MaskFill:
-    """One step's masks being filled: row row_of[seq_id] of `bitmask` for that sequence."""
+    """One step's masks being filled: row row_of[seq_id] of `bitmask` for that sequence (seqs[row])."""
 
-    __slots__ = ("bitmask", "future", "matchers", "row_of")
+    __slots__ = ("bitmask", "future", "matchers", "row_of", "seqs")
 
-    def __init__(self, bitmask: np.ndarray, row_of: dict[int, int], matchers: list[tuple[LLMatcher, int]],
+    def __init__(self, bitmask: np.ndarray, seqs: list[Sequence], matchers: list[tuple[LLMatcher, int]],
                  future: Future[None]) -> None:
         self.bitmask = bitmask  # int32 [rows, ceil(vocab / 32)], bit t of a row = token t allowed
-        self.row_of = row_of
+        self.seqs = seqs
+        self.row_of = {seq.seq_id: i for i, seq in enumerate(seqs)}
         self.matchers = matchers
         self.future = future
 
@@ -101,7 +102,7 @@ class MaskFiller:
         matchers = [(seq.matcher, i) for i, seq in enumerate(seqs) if seq.matcher is not None]
         future = self._thread.submit(self._executor.unsafe_compute_mask_ptr, matchers, bitmask.ctypes.data,
                                      self._words * 4, len(seqs))
-        return MaskFill(bitmask, {seq.seq_id: i for i, seq in enumerate(seqs)}, matchers, future)
+        return MaskFill(bitmask, seqs, matchers, future)
 
     def finish(self, fill: MaskFill) -> set[int]:
         """Waits for the fill (at most `timeout_s`); the rows whose mask could not be had (left empty)."""
