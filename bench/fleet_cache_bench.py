@@ -34,10 +34,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "gateway"))
 
+from gateway.smgproc import start_gateway  # noqa: E402
 from serverproc import RunningServer, start_servers  # noqa: E402
-from smgproc import start_gateway  # noqa: E402
 
 MODEL = "tiny"
 MARK_START = "<!-- fleet_cache_bench:start -->"
