@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from engine_server.adapter_flags import adapter_admin, adapter_engine_settings, add_adapter_flags
 from engine_server.api.config import ServerConfig
 from engine_server.api.security.auth import resolve_api_key
 from engine_server.api.security.config import H2Policy, SecurityConfig
@@ -162,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="gRPC frontend processes sharing the port (SO_REUSEPORT) over one engine core process",
     )
 
+    add_adapter_flags(p)
+
     net = p.add_argument_group("network")
     net.add_argument(
         "--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (0.0.0.0: every interface)"
@@ -264,6 +267,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
             in_process_engine=args.in_process_engine,
             api_workers=args.api_workers,
             security=security,
+            adapter_admin=adapter_admin(args),
         )
         engine = EngineConfig(
             model=_model_dir(args.model),
@@ -281,6 +285,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
             num_threads=args.num_threads,
             grammar_compile_threads=args.structured_output_compile_threads,
             grammar_compile_timeout_s=args.structured_output_compile_timeout,
+            **adapter_engine_settings(args),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_proto.engine.v1 import cache_pb2, embed_pb2, generate_pb2, info_pb2, tokenize_pb2
+from engine_proto.engine.v1 import adapters_pb2, cache_pb2, embed_pb2, generate_pb2, info_pb2, tokenize_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceBase
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -192,6 +192,22 @@ class FakeEngineService(EngineServiceBase):
         resp.events.add().cleared.SetInParent()
         resp.snapshot.count = 1
         await stream.send_message(resp)
+
+    # LoRA adapters: loaded by name, rank 8 on q/v, nothing read
+    async def LoadAdapter(self, stream: Stream[Any, Any]) -> None:
+        req: adapters_pb2.LoadAdapterRequest = await self._begin(stream)
+        resp = adapters_pb2.LoadAdapterResponse()
+        resp.adapter.name, resp.adapter.rank, resp.adapter.lora_alpha = req.name, 8, 16.0
+        resp.adapter.target_modules.extend(["q_proj", "v_proj"])
+        await stream.send_message(resp)
+
+    async def UnloadAdapter(self, stream: Stream[Any, Any]) -> None:
+        await self._begin(stream)
+        await stream.send_message(adapters_pb2.UnloadAdapterResponse())
+
+    async def ListAdapters(self, stream: Stream[Any, Any]) -> None:
+        await self._begin(stream)
+        await stream.send_message(adapters_pb2.ListAdaptersResponse())
 
 
 @dataclass(frozen=True, slots=True)

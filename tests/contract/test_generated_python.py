@@ -8,9 +8,9 @@ import pytest
 
 RPCS = [
     "Generate", "Embed", "Tokenize", "Detokenize", "Abort", "GetModelInfo", "GetServerInfo", "GetLoad",
-    "FlushCache", "SubscribeCacheEvents",
+    "FlushCache", "SubscribeCacheEvents", "LoadAdapter", "UnloadAdapter", "ListAdapters",
 ]
-FILES = ["engine_service", "generate", "embed", "tokenize", "info", "cache"]
+FILES = ["engine_service", "generate", "embed", "tokenize", "info", "cache", "adapters"]
 
 
 @pytest.mark.parametrize("suffix", ["_pb2", "_pb2_grpc", "_grpc"])
@@ -46,6 +46,7 @@ def test_stubs_of_every_flavour_expose_every_rpc() -> None:
     snake = {
         "GetModelInfo": "get_model_info", "GetServerInfo": "get_server_info", "GetLoad": "get_load",
         "FlushCache": "flush_cache", "SubscribeCacheEvents": "subscribe_cache_events",
+        "LoadAdapter": "load_adapter", "UnloadAdapter": "unload_adapter", "ListAdapters": "list_adapters",
     }
     for rpc in RPCS:
         assert hasattr(bp.EngineServiceStub, snake.get(rpc, rpc.lower()))

@@ -164,7 +164,7 @@ def test_paths_outside_the_adapter_directory_are_refused(engine: LLMEngine, dirs
 def test_names_and_run_time_loading_switch(engine: LLMEngine, model_dir: Path,
                                            dirs: tuple[Path, Path]) -> None:
     for name in ("", " padded", "x" * 129, "tab\there"):
-        with pytest.raises(AdapterPathError, match="adapter name"):
+        with pytest.raises(AdapterError, match="adapter name"):
             engine.load_adapter(name, GOOD.name)
     no_dir = LLMEngine(engine_config(model_dir, num_kv_blocks=16, max_adapters=1))
     with pytest.raises(AdapterError, match="run time is off"):

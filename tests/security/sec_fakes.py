@@ -91,6 +91,7 @@ class FakeEngineService(EngineServiceBase):
 
     Embed = Detokenize = Abort = GetModelInfo = GetServerInfo = GetLoad = _unimplemented
     FlushCache = SubscribeCacheEvents = _unimplemented
+    LoadAdapter = UnloadAdapter = ListAdapters = _unimplemented
 
 
 @dataclass(slots=True)

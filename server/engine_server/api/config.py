@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine_server.api.adapters import AdapterAdmin
 from engine_server.api.security.config import SecurityConfig
 
 
@@ -23,6 +24,7 @@ class ServerConfig:
     in_process_engine: bool = False  # the engine core on a thread instead of its own process
     api_workers: int = 1  # frontend processes sharing the port (SO_REUSEPORT) over one engine core
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    adapter_admin: AdapterAdmin = field(default_factory=AdapterAdmin)  # LoadAdapter & co (api/adapters.py)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -33,6 +35,10 @@ class ServerConfig:
             raise ValueError(f"max_concurrent_streams: must be >= 1, got {self.max_concurrent_streams}")
         if not math.isfinite(self.drain_timeout_s) or self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout: must be >= 0 seconds, got {self.drain_timeout_s}")
+        admin = self.adapter_admin
+        if admin.enabled and self.security.api_key is not None and admin.admin_key is None:
+            raise ValueError("enable_adapter_admin: a server with API keys needs an admin key for adapter "
+                             "management (--admin-key or --admin-key-file)")
         if self.api_workers < 1:
             raise ValueError(f"api_workers: must be >= 1, got {self.api_workers}")
         if self.api_workers > 1 and self.in_process_engine:

@@ -256,6 +256,7 @@ def to_generate_request(
     return GenerateRequest(
         cache_salt=msg.cache_salt,
         priority=msg.priority,
+        adapter=msg.adapter,
         structured_output=constraint,
         request_id=request_id,
         prompt_token_ids=tuple(prompt),

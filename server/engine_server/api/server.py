@@ -94,6 +94,7 @@ class EngineServer:
             served_model_name=name, max_concurrent_streams=config.max_concurrent_streams,
             metrics=self.metrics, in_flight=self._in_flight,
         )
+        self.servicer.adapter_admin = config.adapter_admin
         self.health, self._check = build_health(self.servicer, is_serving=self._is_serving,
                                                 is_alive=self._is_alive)
         # vllm.grpc.engine.VllmEngine on the same port: the smg gateway's worker protocol (docs/deploy.md).
@@ -171,6 +172,8 @@ class EngineServer:
             max_receive_message_bytes=self.config.security.max_receive_message_size,
             kv_block_size=engine.model_info.block_size,
             max_num_batched_tokens=ec.max_num_batched_tokens,
+            max_adapters=ec.max_adapters,
+            max_lora_rank=ec.max_lora_rank if ec.max_adapters else 0,
         )
 
     async def _warm_up(self, engine: EngineHandle) -> None:

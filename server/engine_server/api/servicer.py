@@ -15,6 +15,7 @@ from grpclib.exceptions import GRPCError
 
 import engine_server
 from engine_server.api import convert, responses
+from engine_server.api.adapters import AdapterRpcs, add_model_adapters, loaded_adapters
 from engine_server.api.cache_events import serve_cache_events
 from engine_server.api.errors import RequestFailed, ServerBusy, to_grpc_error
 from engine_server.api.in_flight import CallResources, InFlight
@@ -47,7 +48,7 @@ _STATE = {
 }
 
 
-class EngineServicer(EngineServiceBase):
+class EngineServicer(AdapterRpcs, EngineServiceBase):
     """Stateless per call; holds the engine handle (attached once loaded) and the server-wide stream count."""
 
     GENERATE_PATH = "/engine.v1.EngineService/Generate"  # transport/fast_path.py serves it when it can
@@ -346,10 +347,13 @@ class EngineServicer(EngineServiceBase):
         engine = self._engine
         if engine is None:
             raise GRPCError(Status.UNAVAILABLE, "the server is starting; retry shortly")
-        await stream.send_message(responses.model_info_response(
+        response = responses.model_info_response(
             engine.model_info, served_model_name=self._served_model_name,
             has_chat_template=engine.tokenizer.has_chat_template,
-        ))
+        )
+        if self._limits.max_adapters and self.state == info_pb2.ENGINE_STATE_SERVING:
+            await add_model_adapters(response, engine)
+        await stream.send_message(response)
 
     async def GetServerInfo(
         self, stream: Stream[info_pb2.GetServerInfoRequest, info_pb2.GetServerInfoResponse]
@@ -363,6 +367,8 @@ class EngineServicer(EngineServiceBase):
         )
         responses.fill_load(response.load, self._engine.stats() if self._engine is not None else None)
         response.limits.CopyFrom(self._limits)
+        if self._limits.max_adapters and self.state == info_pb2.ENGINE_STATE_SERVING:
+            response.adapters.extend(info.name for info in await loaded_adapters(self._engine))
         await stream.send_message(response)
 
     async def GetLoad(self, stream: Stream[info_pb2.GetLoadRequest, info_pb2.GetLoadResponse]) -> None:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Protocol, cast
 
+from engine_server.core.adapter_messages import AdapterCommand, run_adapter_command
 from engine_server.core.cache_messages import CacheEventBatch, CacheEventsCommand, CacheEventsStart
 from engine_server.core.cache_publisher import CachePublisher
 from engine_server.core.control import receive_frontend_pipe
@@ -53,6 +54,7 @@ from engine_server.core.messages import (
     StepOutput,
 )
 from engine_server.engine.gpu_modules import keep_gpu_modules_out
+from engine_server.engine.lora.errors import AdapterError
 from engine_server.engine.types import (
     CompletionDelta,
     EngineOverloaded,
@@ -271,6 +273,8 @@ class CoreLoop:
                 conn.send(CallReply(command.call_id, engine.flush_cache()))
             elif isinstance(command, EmbedCommand):
                 conn.send(embed_reply(engine, command))
+            elif isinstance(command, AdapterCommand):
+                conn.send(adapter_reply(engine, command))
             elif index == 0:  # ShutdownCommand from the primary: stop the core
                 self._is_stopping = True
                 return
@@ -284,7 +288,7 @@ class CoreLoop:
             # NOTE: every field, positionally (dataclasses.replace costs several times more per request)
             engine_request = EngineRequest(f"{index}/{request.request_id}", request.prompt_token_ids,
                                            request.params, request.structured_output, request.cache_salt,
-                                           request.priority)
+                                           request.priority, request.adapter)
         try:
             self._engine.add_request(engine_request)
         except (RequestError, EngineOverloaded) as exc:
@@ -379,6 +383,17 @@ class CoreLoop:
             delta.request_id = request_id
             per_frontend.setdefault(index, []).append(delta)
         return per_frontend
+
+
+def adapter_reply(engine: EngineCore, command: AdapterCommand) -> CallReply:
+    """Runs an AdapterCommand; a refusal goes back in the reply (an unexpected error is logged here too)."""
+    try:
+        result = run_adapter_command(engine, command)
+    except Exception as exc:
+        if not isinstance(exc, AdapterError):
+            logger.exception("adapter %s failed", command.op)
+        return CallReply(command.call_id, error=ErrorInfo.from_exception(exc))
+    return CallReply(command.call_id, result)
 
 
 def embed_reply(engine: EngineCore, command: EmbedCommand) -> CallReply:

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine_server.core.adapter_messages import AdapterCommand
 from engine_server.core.cache_messages import CacheEventBatch, CacheEventsCommand, CacheEventsStart
+from engine_server.engine.lora.errors import AdapterError, rebuild
 from engine_server.engine.types import (
     CompletionDelta,
     EngineOverloaded,
@@ -87,7 +89,7 @@ class ShutdownCommand:
 
 Command = (
     AddCommand | AbortCommand | AbortCompletionsCommand | AbortElsewhereCommand | EmbedCommand | StatsCommand
-    | CacheEventsCommand | FlushCacheCommand | ShutdownCommand
+    | CacheEventsCommand | FlushCacheCommand | AdapterCommand | ShutdownCommand
 )
 
 
@@ -98,7 +100,7 @@ Command = (
 class ErrorInfo:
     """An exception flattened for pickling; `to_exception` rebuilds the engine's error types."""
 
-    kind: str  # "request" | "overloaded" | "internal"
+    kind: str  # "request" | "overloaded" | "adapter" (field_name: the AdapterError's class) | "internal"
     message: str
     field_name: str = ""
 
@@ -110,6 +112,8 @@ class ErrorInfo:
             return ErrorInfo("request", detail, exc.field_name)
         if isinstance(exc, EngineOverloaded):
             return ErrorInfo("overloaded", str(exc))
+        if isinstance(exc, AdapterError):
+            return ErrorInfo("adapter", str(exc), type(exc).__name__)
         return ErrorInfo("internal", f"{type(exc).__name__}: {exc}")
 
     def to_exception(self) -> Exception:
@@ -117,6 +121,8 @@ class ErrorInfo:
             return RequestError(self.field_name, self.message)
         if self.kind == "overloaded":
             return EngineOverloaded(self.message)
+        if self.kind == "adapter":
+            return rebuild(self.field_name, self.message)
         return RuntimeError(self.message)
 
 

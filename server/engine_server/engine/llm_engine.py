@@ -20,7 +20,8 @@ from engine_server.engine.block_manager import BlockManager, cache_root
 from engine_server.engine.config import EngineConfig
 from engine_server.engine.loader import LoadedModel, load_model
 from engine_server.engine.lora.errors import AdapterError, AdapterNotFound, AdapterSlotsFull
-from engine_server.engine.lora.manager import AdapterInfo, LoraManager
+from engine_server.engine.lora.manager import LoraManager
+from engine_server.engine.lora.types import AdapterInfo
 from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.model_runner import ModelRunner, StepLogits
 from engine_server.engine.sampler import Sampler, logprobs_of

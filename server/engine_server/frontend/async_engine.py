@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine_server.core.adapter_messages import AdapterCommand
 from engine_server.core.cache_messages import CacheEventBatch, CacheEventsStart
 from engine_server.core.loop import EngineFactory, default_engine_factory
 from engine_server.core.messages import (
@@ -28,6 +29,7 @@ from engine_server.core.messages import (
     StatsCommand,
     StepOutput,
 )
+from engine_server.engine.lora.types import AdapterInfo
 from engine_server.engine.types import (
     EngineDead,
     EngineOverloaded,
@@ -148,7 +150,8 @@ class AsyncEngine:
         if len(self._requests) >= self._max_pending:
             raise EngineOverloaded(f"too many pending requests ({self._max_pending}); retry later")
         engine_request = EngineRequest(request_id, request.prompt_token_ids, request.params,
-                                       request.structured_output, request.cache_salt, request.priority)
+                                       request.structured_output, request.cache_salt, request.priority,
+                                       request.adapter)
         self._validate(engine_request, self.model_info)
         state = RequestState(request, self.tokenizer.detokenizers)
         self._requests[request_id] = state
@@ -203,6 +206,25 @@ class AsyncEngine:
         self._check_serving()
         num_flushed: int = await self._call(FlushCacheCommand)
         return num_flushed
+
+    # --- LoRA adapters (admin calls; the core loads and checks, engine/lora/) -------------------------
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Loads a LoRA adapter in the core (its path inside the core's adapter directory); AdapterError
+        where it is refused, nothing loaded. With --api-workers, one core serves every frontend."""
+        self._check_serving()
+        info: AdapterInfo = await self._call(lambda call_id: AdapterCommand(call_id, "load", name, path))
+        return info
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unloads an adapter; AdapterInUse while requests use it, AdapterNotFound for an unknown name."""
+        self._check_serving()
+        await self._call(lambda call_id: AdapterCommand(call_id, "unload", name))
+
+    async def list_adapters(self) -> list[AdapterInfo]:
+        self._check_serving()
+        infos: list[AdapterInfo] = await self._call(lambda call_id: AdapterCommand(call_id, "list"))
+        return infos
 
     # --- observation --------------------------------------------------------------------------------
 

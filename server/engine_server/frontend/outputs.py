@@ -40,6 +40,7 @@ class GenerateRequest:
     structured_output: StructuredOutput | None = None  # the constraint every completion follows
     cache_salt: str = ""  # the prefix cache's namespace ("" = shared): no block is shared across salts
     priority: int = 0  # lower first; first come, first served within one priority
+    adapter: str = ""  # a loaded LoRA adapter's name ("" = the base model)
 
     def __post_init__(self) -> None:
         if not self.request_id:

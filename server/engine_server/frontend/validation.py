@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from operator import countOf
 
+from engine_server.engine.lora.types import MAX_NAME_LENGTH as MAX_ADAPTER_NAME_LENGTH
 from engine_server.engine.model_info import ModelInfo
 from engine_server.engine.types import EngineRequest, RequestError, SamplingParams
 
@@ -38,6 +39,8 @@ def validate_request(request: EngineRequest, info: ModelInfo, *, max_num_seqs: i
         raise RequestError("request_id", f"must be at most {MAX_REQUEST_ID_LEN} characters")
     if not isinstance(request.cache_salt, str) or len(request.cache_salt) > MAX_CACHE_SALT_LEN:
         raise RequestError("cache_salt", f"must be a string of at most {MAX_CACHE_SALT_LEN} characters")
+    if not isinstance(request.adapter, str) or len(request.adapter) > MAX_ADAPTER_NAME_LENGTH:
+        raise RequestError("adapter", f"must be a string of at most {MAX_ADAPTER_NAME_LENGTH} characters")
     # NOTE: bool is an int subclass; a bool priority is a caller bug.
     if type(request.priority) is not int:
         raise RequestError("priority", f"must be an integer, got {request.priority!r}")

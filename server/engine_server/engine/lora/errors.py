@@ -42,3 +42,12 @@ class AdapterInUse(AdapterError):
 
 class AdapterSlotsFull(AdapterError):
     """Every adapter slot holds an adapter that running or waiting requests use."""
+
+
+def rebuild(class_name: str, message: str) -> AdapterError:
+    """The error `class_name` names (one of the above), for a refusal that crossed the core's pipe."""
+    for cls in (AdapterNotFound, AdapterExists, AdapterPathError, AdapterFormatError, AdapterIncompatible,
+                AdapterRankTooLarge, AdapterInUse, AdapterSlotsFull):
+        if cls.__name__ == class_name:
+            return cls(message)
+    return AdapterError(message)

@@ -9,35 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from dataclasses import dataclass
 
 import torch
 
 from engine_server.engine.lora.apply import LoraLayers, LoraStep
-from engine_server.engine.lora.errors import AdapterExists, AdapterNotFound, AdapterPathError
+from engine_server.engine.lora.errors import AdapterExists, AdapterNotFound
 from engine_server.engine.lora.loader import LoraAdapter, load_adapter
 from engine_server.engine.lora.slots import AdapterSlots
-
-MAX_NAME_LENGTH = 128
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterInfo:
-    """What ListAdapters / GetModelInfo show of a loaded adapter (torch-free)."""
-
-    name: str
-    rank: int
-    lora_alpha: float
-    use_rslora: bool
-    target_modules: tuple[str, ...]
-    num_requests: int  # running or waiting requests using it now
-    is_resident: bool  # in a slot now (its next request needs no copy)
-
-
-def check_adapter_name(name: str) -> None:
-    if not name or len(name) > MAX_NAME_LENGTH or not name.isprintable() or name.strip() != name:
-        raise AdapterPathError(f"adapter name must be 1-{MAX_NAME_LENGTH} printable characters without "
-                               f"surrounding spaces, got {name!r}")
+from engine_server.engine.lora.types import AdapterInfo, check_adapter_name
 
 
 class LoraManager:

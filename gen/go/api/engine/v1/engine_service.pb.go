@@ -42,7 +42,7 @@ var File_engine_v1_engine_service_proto protoreflect.FileDescriptor
 
 const file_engine_v1_engine_service_proto_rawDesc = "" +
 	"\n" +
-	"\x1eengine/v1/engine_service.proto\x12\tengine.v1\x1a\x15engine/v1/cache.proto\x1a\x15engine/v1/embed.proto\x1a\x18engine/v1/generate.proto\x1a\x14engine/v1/info.proto\x1a\x18engine/v1/tokenize.proto2\xfb\x05\n" +
+	"\x1eengine/v1/engine_service.proto\x12\tengine.v1\x1a\x18engine/v1/adapters.proto\x1a\x15engine/v1/cache.proto\x1a\x15engine/v1/embed.proto\x1a\x18engine/v1/generate.proto\x1a\x14engine/v1/info.proto\x1a\x18engine/v1/tokenize.proto2\xee\a\n" +
 	"\rEngineService\x12E\n" +
 	"\bGenerate\x12\x1a.engine.v1.GenerateRequest\x1a\x1b.engine.v1.GenerateResponse0\x01\x12:\n" +
 	"\x05Embed\x12\x17.engine.v1.EmbedRequest\x1a\x18.engine.v1.EmbedResponse\x12C\n" +
@@ -55,7 +55,10 @@ const file_engine_v1_engine_service_proto_rawDesc = "" +
 	"\aGetLoad\x12\x19.engine.v1.GetLoadRequest\x1a\x1a.engine.v1.GetLoadResponse\x12I\n" +
 	"\n" +
 	"FlushCache\x12\x1c.engine.v1.FlushCacheRequest\x1a\x1d.engine.v1.FlushCacheResponse\x12i\n" +
-	"\x14SubscribeCacheEvents\x12&.engine.v1.SubscribeCacheEventsRequest\x1a'.engine.v1.SubscribeCacheEventsResponse0\x01B\xa8\x01\n" +
+	"\x14SubscribeCacheEvents\x12&.engine.v1.SubscribeCacheEventsRequest\x1a'.engine.v1.SubscribeCacheEventsResponse0\x01\x12L\n" +
+	"\vLoadAdapter\x12\x1d.engine.v1.LoadAdapterRequest\x1a\x1e.engine.v1.LoadAdapterResponse\x12R\n" +
+	"\rUnloadAdapter\x12\x1f.engine.v1.UnloadAdapterRequest\x1a .engine.v1.UnloadAdapterResponse\x12O\n" +
+	"\fListAdapters\x12\x1e.engine.v1.ListAdaptersRequest\x1a\x1f.engine.v1.ListAdaptersResponseB\xa8\x01\n" +
 	"\rcom.engine.v1B\x12EngineServiceProtoP\x01Z>github.com/engine-project/engine/gen/go/api/engine/v1;enginev1\xa2\x02\x03EXX\xaa\x02\tEngine.V1\xca\x02\tEngine\\V1\xe2\x02\x15Engine\\V1\\GPBMetadata\xea\x02\n" +
 	"Engine::V1b\x06proto3"
 
@@ -70,16 +73,22 @@ var file_engine_v1_engine_service_proto_goTypes = []any{
 	(*GetLoadRequest)(nil),               // 7: engine.v1.GetLoadRequest
 	(*FlushCacheRequest)(nil),            // 8: engine.v1.FlushCacheRequest
 	(*SubscribeCacheEventsRequest)(nil),  // 9: engine.v1.SubscribeCacheEventsRequest
-	(*GenerateResponse)(nil),             // 10: engine.v1.GenerateResponse
-	(*EmbedResponse)(nil),                // 11: engine.v1.EmbedResponse
-	(*TokenizeResponse)(nil),             // 12: engine.v1.TokenizeResponse
-	(*DetokenizeResponse)(nil),           // 13: engine.v1.DetokenizeResponse
-	(*AbortResponse)(nil),                // 14: engine.v1.AbortResponse
-	(*GetModelInfoResponse)(nil),         // 15: engine.v1.GetModelInfoResponse
-	(*GetServerInfoResponse)(nil),        // 16: engine.v1.GetServerInfoResponse
-	(*GetLoadResponse)(nil),              // 17: engine.v1.GetLoadResponse
-	(*FlushCacheResponse)(nil),           // 18: engine.v1.FlushCacheResponse
-	(*SubscribeCacheEventsResponse)(nil), // 19: engine.v1.SubscribeCacheEventsResponse
+	(*LoadAdapterRequest)(nil),           // 10: engine.v1.LoadAdapterRequest
+	(*UnloadAdapterRequest)(nil),         // 11: engine.v1.UnloadAdapterRequest
+	(*ListAdaptersRequest)(nil),          // 12: engine.v1.ListAdaptersRequest
+	(*GenerateResponse)(nil),             // 13: engine.v1.GenerateResponse
+	(*EmbedResponse)(nil),                // 14: engine.v1.EmbedResponse
+	(*TokenizeResponse)(nil),             // 15: engine.v1.TokenizeResponse
+	(*DetokenizeResponse)(nil),           // 16: engine.v1.DetokenizeResponse
+	(*AbortResponse)(nil),                // 17: engine.v1.AbortResponse
+	(*GetModelInfoResponse)(nil),         // 18: engine.v1.GetModelInfoResponse
+	(*GetServerInfoResponse)(nil),        // 19: engine.v1.GetServerInfoResponse
+	(*GetLoadResponse)(nil),              // 20: engine.v1.GetLoadResponse
+	(*FlushCacheResponse)(nil),           // 21: engine.v1.FlushCacheResponse
+	(*SubscribeCacheEventsResponse)(nil), // 22: engine.v1.SubscribeCacheEventsResponse
+	(*LoadAdapterResponse)(nil),          // 23: engine.v1.LoadAdapterResponse
+	(*UnloadAdapterResponse)(nil),        // 24: engine.v1.UnloadAdapterResponse
+	(*ListAdaptersResponse)(nil),         // 25: engine.v1.ListAdaptersResponse
 }
 var file_engine_v1_engine_service_proto_depIdxs = []int32{
 	0,  // 0: engine.v1.EngineService.Generate:input_type -> engine.v1.GenerateRequest
@@ -92,18 +101,24 @@ var file_engine_v1_engine_service_proto_depIdxs = []int32{
 	7,  // 7: engine.v1.EngineService.GetLoad:input_type -> engine.v1.GetLoadRequest
 	8,  // 8: engine.v1.EngineService.FlushCache:input_type -> engine.v1.FlushCacheRequest
 	9,  // 9: engine.v1.EngineService.SubscribeCacheEvents:input_type -> engine.v1.SubscribeCacheEventsRequest
-	10, // 10: engine.v1.EngineService.Generate:output_type -> engine.v1.GenerateResponse
-	11, // 11: engine.v1.EngineService.Embed:output_type -> engine.v1.EmbedResponse
-	12, // 12: engine.v1.EngineService.Tokenize:output_type -> engine.v1.TokenizeResponse
-	13, // 13: engine.v1.EngineService.Detokenize:output_type -> engine.v1.DetokenizeResponse
-	14, // 14: engine.v1.EngineService.Abort:output_type -> engine.v1.AbortResponse
-	15, // 15: engine.v1.EngineService.GetModelInfo:output_type -> engine.v1.GetModelInfoResponse
-	16, // 16: engine.v1.EngineService.GetServerInfo:output_type -> engine.v1.GetServerInfoResponse
-	17, // 17: engine.v1.EngineService.GetLoad:output_type -> engine.v1.GetLoadResponse
-	18, // 18: engine.v1.EngineService.FlushCache:output_type -> engine.v1.FlushCacheResponse
-	19, // 19: engine.v1.EngineService.SubscribeCacheEvents:output_type -> engine.v1.SubscribeCacheEventsResponse
-	10, // [10:20] is the sub-list for method output_type
-	0,  // [0:10] is the sub-list for method input_type
+	10, // 10: engine.v1.EngineService.LoadAdapter:input_type -> engine.v1.LoadAdapterRequest
+	11, // 11: engine.v1.EngineService.UnloadAdapter:input_type -> engine.v1.UnloadAdapterRequest
+	12, // 12: engine.v1.EngineService.ListAdapters:input_type -> engine.v1.ListAdaptersRequest
+	13, // 13: engine.v1.EngineService.Generate:output_type -> engine.v1.GenerateResponse
+	14, // 14: engine.v1.EngineService.Embed:output_type -> engine.v1.EmbedResponse
+	15, // 15: engine.v1.EngineService.Tokenize:output_type -> engine.v1.TokenizeResponse
+	16, // 16: engine.v1.EngineService.Detokenize:output_type -> engine.v1.DetokenizeResponse
+	17, // 17: engine.v1.EngineService.Abort:output_type -> engine.v1.AbortResponse
+	18, // 18: engine.v1.EngineService.GetModelInfo:output_type -> engine.v1.GetModelInfoResponse
+	19, // 19: engine.v1.EngineService.GetServerInfo:output_type -> engine.v1.GetServerInfoResponse
+	20, // 20: engine.v1.EngineService.GetLoad:output_type -> engine.v1.GetLoadResponse
+	21, // 21: engine.v1.EngineService.FlushCache:output_type -> engine.v1.FlushCacheResponse
+	22, // 22: engine.v1.EngineService.SubscribeCacheEvents:output_type -> engine.v1.SubscribeCacheEventsResponse
+	23, // 23: engine.v1.EngineService.LoadAdapter:output_type -> engine.v1.LoadAdapterResponse
+	24, // 24: engine.v1.EngineService.UnloadAdapter:output_type -> engine.v1.UnloadAdapterResponse
+	25, // 25: engine.v1.EngineService.ListAdapters:output_type -> engine.v1.ListAdaptersResponse
+	13, // [13:26] is the sub-list for method output_type
+	0,  // [0:13] is the sub-list for method input_type
 	0,  // [0:0] is the sub-list for extension type_name
 	0,  // [0:0] is the sub-list for extension extendee
 	0,  // [0:0] is the sub-list for field type_name
@@ -114,6 +129,7 @@ func file_engine_v1_engine_service_proto_init() {
 	if File_engine_v1_engine_service_proto != nil {
 		return
 	}
+	file_engine_v1_adapters_proto_init()
 	file_engine_v1_cache_proto_init()
 	file_engine_v1_embed_proto_init()
 	file_engine_v1_generate_proto_init()

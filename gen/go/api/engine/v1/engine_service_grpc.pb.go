@@ -47,6 +47,9 @@ const (
 	EngineService_GetLoad_FullMethodName              = "/engine.v1.EngineService/GetLoad"
 	EngineService_FlushCache_FullMethodName           = "/engine.v1.EngineService/FlushCache"
 	EngineService_SubscribeCacheEvents_FullMethodName = "/engine.v1.EngineService/SubscribeCacheEvents"
+	EngineService_LoadAdapter_FullMethodName          = "/engine.v1.EngineService/LoadAdapter"
+	EngineService_UnloadAdapter_FullMethodName        = "/engine.v1.EngineService/UnloadAdapter"
+	EngineService_ListAdapters_FullMethodName         = "/engine.v1.EngineService/ListAdapters"
 )
 
 // EngineServiceClient is the client API for EngineService service.
@@ -127,6 +130,36 @@ type EngineServiceClient interface {
 	// Without prefix caching (the server's --no-prefix-caching) there are no events: the snapshot is empty and the
 	// stream carries heartbeats with the load.
 	SubscribeCacheEvents(ctx context.Context, in *SubscribeCacheEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[SubscribeCacheEventsResponse], error)
+	// LoRA adapter management. Admin operations: a server answers them only when its operator enabled them
+	// (--enable-adapter-admin); where the server uses API keys, a call MUST also carry the admin key in the
+	// `x-admin-key` metadata (besides the API key every call carries). Errors shared by the three:
+	//
+	//	PERMISSION_DENIED  adapter management is off on this server, or the admin key is missing or wrong.
+	//
+	// LoadAdapter reads a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors; LoRA on any of the
+	// q/k/v/o and gate/up/down projections, any rank up to ServerLimits.max_lora_rank, lora_alpha and rsLoRA
+	// scaling as peft defines them) from below the server's adapter directory. It returns once the adapter is
+	// loaded; Generate requests may name it from then on. A refused adapter leaves nothing loaded.
+	// Errors:
+	//
+	//	INVALID_ARGUMENT     a bad name; a path outside the adapter directory (../, absolute, a symlink leading
+	//	                     out: refused unread), missing, or not a directory; files that are not a LoRA
+	//	                     adapter the server implements (config missing or unparseable, another PEFT type,
+	//	                     DoRA or other options, safetensors missing, corrupt or oversized, wrong tensor
+	//	                     names or shapes, non-finite weights); target modules the model does not have; a
+	//	                     rank above max_lora_rank. The message says which.
+	//	ALREADY_EXISTS       an adapter of that name is loaded.
+	//	FAILED_PRECONDITION  the server serves no adapters (--max-adapters 0) or has no adapter directory.
+	LoadAdapter(ctx context.Context, in *LoadAdapterRequest, opts ...grpc.CallOption) (*LoadAdapterResponse, error)
+	// UnloadAdapter forgets a loaded adapter. It is refused while Generate requests use it: nothing is cut short;
+	// stop sending the name, let them finish (or Abort them), then unload.
+	// Errors:
+	//
+	//	NOT_FOUND            no adapter of that name is loaded.
+	//	FAILED_PRECONDITION  running or waiting requests use it (the message says how many).
+	UnloadAdapter(ctx context.Context, in *UnloadAdapterRequest, opts ...grpc.CallOption) (*UnloadAdapterResponse, error)
+	// ListAdapters lists the loaded adapters with their use now (requests, slot residency).
+	ListAdapters(ctx context.Context, in *ListAdaptersRequest, opts ...grpc.CallOption) (*ListAdaptersResponse, error)
 }
 
 type engineServiceClient struct {
@@ -255,6 +288,36 @@ func (c *engineServiceClient) SubscribeCacheEvents(ctx context.Context, in *Subs
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type EngineService_SubscribeCacheEventsClient = grpc.ServerStreamingClient[SubscribeCacheEventsResponse]
 
+func (c *engineServiceClient) LoadAdapter(ctx context.Context, in *LoadAdapterRequest, opts ...grpc.CallOption) (*LoadAdapterResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(LoadAdapterResponse)
+	err := c.cc.Invoke(ctx, EngineService_LoadAdapter_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *engineServiceClient) UnloadAdapter(ctx context.Context, in *UnloadAdapterRequest, opts ...grpc.CallOption) (*UnloadAdapterResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(UnloadAdapterResponse)
+	err := c.cc.Invoke(ctx, EngineService_UnloadAdapter_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *engineServiceClient) ListAdapters(ctx context.Context, in *ListAdaptersRequest, opts ...grpc.CallOption) (*ListAdaptersResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListAdaptersResponse)
+	err := c.cc.Invoke(ctx, EngineService_ListAdapters_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // EngineServiceServer is the server API for EngineService service.
 // All implementations must embed UnimplementedEngineServiceServer
 // for forward compatibility.
@@ -333,6 +396,36 @@ type EngineServiceServer interface {
 	// Without prefix caching (the server's --no-prefix-caching) there are no events: the snapshot is empty and the
 	// stream carries heartbeats with the load.
 	SubscribeCacheEvents(*SubscribeCacheEventsRequest, grpc.ServerStreamingServer[SubscribeCacheEventsResponse]) error
+	// LoRA adapter management. Admin operations: a server answers them only when its operator enabled them
+	// (--enable-adapter-admin); where the server uses API keys, a call MUST also carry the admin key in the
+	// `x-admin-key` metadata (besides the API key every call carries). Errors shared by the three:
+	//
+	//	PERMISSION_DENIED  adapter management is off on this server, or the admin key is missing or wrong.
+	//
+	// LoadAdapter reads a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors; LoRA on any of the
+	// q/k/v/o and gate/up/down projections, any rank up to ServerLimits.max_lora_rank, lora_alpha and rsLoRA
+	// scaling as peft defines them) from below the server's adapter directory. It returns once the adapter is
+	// loaded; Generate requests may name it from then on. A refused adapter leaves nothing loaded.
+	// Errors:
+	//
+	//	INVALID_ARGUMENT     a bad name; a path outside the adapter directory (../, absolute, a symlink leading
+	//	                     out: refused unread), missing, or not a directory; files that are not a LoRA
+	//	                     adapter the server implements (config missing or unparseable, another PEFT type,
+	//	                     DoRA or other options, safetensors missing, corrupt or oversized, wrong tensor
+	//	                     names or shapes, non-finite weights); target modules the model does not have; a
+	//	                     rank above max_lora_rank. The message says which.
+	//	ALREADY_EXISTS       an adapter of that name is loaded.
+	//	FAILED_PRECONDITION  the server serves no adapters (--max-adapters 0) or has no adapter directory.
+	LoadAdapter(context.Context, *LoadAdapterRequest) (*LoadAdapterResponse, error)
+	// UnloadAdapter forgets a loaded adapter. It is refused while Generate requests use it: nothing is cut short;
+	// stop sending the name, let them finish (or Abort them), then unload.
+	// Errors:
+	//
+	//	NOT_FOUND            no adapter of that name is loaded.
+	//	FAILED_PRECONDITION  running or waiting requests use it (the message says how many).
+	UnloadAdapter(context.Context, *UnloadAdapterRequest) (*UnloadAdapterResponse, error)
+	// ListAdapters lists the loaded adapters with their use now (requests, slot residency).
+	ListAdapters(context.Context, *ListAdaptersRequest) (*ListAdaptersResponse, error)
 	mustEmbedUnimplementedEngineServiceServer()
 }
 
@@ -372,6 +465,15 @@ func (UnimplementedEngineServiceServer) FlushCache(context.Context, *FlushCacheR
 }
 func (UnimplementedEngineServiceServer) SubscribeCacheEvents(*SubscribeCacheEventsRequest, grpc.ServerStreamingServer[SubscribeCacheEventsResponse]) error {
 	return status.Error(codes.Unimplemented, "method SubscribeCacheEvents not implemented")
+}
+func (UnimplementedEngineServiceServer) LoadAdapter(context.Context, *LoadAdapterRequest) (*LoadAdapterResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method LoadAdapter not implemented")
+}
+func (UnimplementedEngineServiceServer) UnloadAdapter(context.Context, *UnloadAdapterRequest) (*UnloadAdapterResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method UnloadAdapter not implemented")
+}
+func (UnimplementedEngineServiceServer) ListAdapters(context.Context, *ListAdaptersRequest) (*ListAdaptersResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListAdapters not implemented")
 }
 func (UnimplementedEngineServiceServer) mustEmbedUnimplementedEngineServiceServer() {}
 func (UnimplementedEngineServiceServer) testEmbeddedByValue()                       {}
@@ -560,6 +662,60 @@ func _EngineService_SubscribeCacheEvents_Handler(srv interface{}, stream grpc.Se
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type EngineService_SubscribeCacheEventsServer = grpc.ServerStreamingServer[SubscribeCacheEventsResponse]
 
+func _EngineService_LoadAdapter_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(LoadAdapterRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EngineServiceServer).LoadAdapter(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: EngineService_LoadAdapter_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EngineServiceServer).LoadAdapter(ctx, req.(*LoadAdapterRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _EngineService_UnloadAdapter_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(UnloadAdapterRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EngineServiceServer).UnloadAdapter(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: EngineService_UnloadAdapter_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EngineServiceServer).UnloadAdapter(ctx, req.(*UnloadAdapterRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _EngineService_ListAdapters_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListAdaptersRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EngineServiceServer).ListAdapters(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: EngineService_ListAdapters_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EngineServiceServer).ListAdapters(ctx, req.(*ListAdaptersRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // EngineService_ServiceDesc is the grpc.ServiceDesc for EngineService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -598,6 +754,18 @@ var EngineService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "FlushCache",
 			Handler:    _EngineService_FlushCache_Handler,
+		},
+		{
+			MethodName: "LoadAdapter",
+			Handler:    _EngineService_LoadAdapter_Handler,
+		},
+		{
+			MethodName: "UnloadAdapter",
+			Handler:    _EngineService_UnloadAdapter_Handler,
+		},
+		{
+			MethodName: "ListAdapters",
+			Handler:    _EngineService_ListAdapters_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -135,7 +135,17 @@ type GenerateRequest struct {
 	// steady stream of higher-priority requests can keep a lower-priority request waiting indefinitely (its
 	// deadline, if any, still ends it). Priority does not change a completion's tokens: a greedy or seeded
 	// completion is the same at every priority.
-	Priority      int32 `protobuf:"varint,12,opt,name=priority,proto3" json:"priority,omitempty"`
+	Priority int32 `protobuf:"varint,12,opt,name=priority,proto3" json:"priority,omitempty"`
+	// The LoRA adapter to generate with: the name of a loaded adapter (GetModelInfoResponse.adapters, loaded at
+	// launch with --adapter or by LoadAdapter). Default: empty, the base model. Requests of different adapters
+	// and of the base model run in the same batches; each request's tokens are those of its own adapter alone.
+	// Its prefix-cache blocks are its adapter's own: never shared with the base model or another adapter (nor
+	// with an earlier load of the same name), so cached_prompt_tokens counts only blocks of the same adapter
+	// (and cache_salt). Text input is tokenized with the base model's tokenizer (adapters bring no tokenizer of
+	// their own; Tokenize has no adapter field). Errors: INVALID_ARGUMENT naming adapter when no adapter of that
+	// name is loaded (or the server serves none); RESOURCE_EXHAUSTED when every adapter slot (--max-adapters)
+	// holds another adapter that running or waiting requests use (retry later).
+	Adapter       string `protobuf:"bytes,13,opt,name=adapter,proto3" json:"adapter,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -265,6 +275,13 @@ func (x *GenerateRequest) GetPriority() int32 {
 		return x.Priority
 	}
 	return 0
+}
+
+func (x *GenerateRequest) GetAdapter() string {
+	if x != nil {
+		return x.Adapter
+	}
+	return ""
 }
 
 type isGenerateRequest_Input interface {
@@ -1646,7 +1663,7 @@ var File_engine_v1_generate_proto protoreflect.FileDescriptor
 
 const file_engine_v1_generate_proto_rawDesc = "" +
 	"\n" +
-	"\x18engine/v1/generate.proto\x12\tengine.v1\"\xbb\x04\n" +
+	"\x18engine/v1/generate.proto\x12\tengine.v1\"\xd5\x04\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x122\n" +
@@ -1662,7 +1679,8 @@ const file_engine_v1_generate_proto_rawDesc = "" +
 	" \x01(\v2\x1b.engine.v1.StructuredOutputR\x10structuredOutput\x12\x1d\n" +
 	"\n" +
 	"cache_salt\x18\v \x01(\tR\tcacheSalt\x12\x1a\n" +
-	"\bpriority\x18\f \x01(\x05R\bpriorityB\a\n" +
+	"\bpriority\x18\f \x01(\x05R\bpriority\x12\x18\n" +
+	"\aadapter\x18\r \x01(\tR\aadapterB\a\n" +
 	"\x05inputB\x15\n" +
 	"\x13_add_special_tokens\"\x9b\x02\n" +
 	"\x10StructuredOutput\x12!\n" +

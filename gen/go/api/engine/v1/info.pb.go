@@ -198,7 +198,10 @@ type GetModelInfoResponse struct {
 	// Whether the tokenizer has a chat template (chat input works only then).
 	HasChatTemplate bool `protobuf:"varint,11,opt,name=has_chat_template,json=hasChatTemplate,proto3" json:"has_chat_template,omitempty"`
 	// The device the model runs on ("cpu", "cuda:0").
-	Device        string `protobuf:"bytes,12,opt,name=device,proto3" json:"device,omitempty"`
+	Device string `protobuf:"bytes,12,opt,name=device,proto3" json:"device,omitempty"`
+	// The LoRA adapters loaded now, by name (GenerateRequest.adapter); empty when none is (num_requests and
+	// is_resident are not reported here: ListAdapters has them).
+	Adapters      []*AdapterInfo `protobuf:"bytes,13,rep,name=adapters,proto3" json:"adapters,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -317,6 +320,13 @@ func (x *GetModelInfoResponse) GetDevice() string {
 	return ""
 }
 
+func (x *GetModelInfoResponse) GetAdapters() []*AdapterInfo {
+	if x != nil {
+		return x.Adapters
+	}
+	return nil
+}
+
 // SpecialTokens lists the token ids with special meaning.
 type SpecialTokens struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -432,7 +442,9 @@ type GetServerInfoResponse struct {
 	// Current load.
 	Load *Load `protobuf:"bytes,5,opt,name=load,proto3" json:"load,omitempty"`
 	// Configured limits.
-	Limits        *ServerLimits `protobuf:"bytes,6,opt,name=limits,proto3" json:"limits,omitempty"`
+	Limits *ServerLimits `protobuf:"bytes,6,opt,name=limits,proto3" json:"limits,omitempty"`
+	// The names of the LoRA adapters loaded now, sorted.
+	Adapters      []string `protobuf:"bytes,7,rep,name=adapters,proto3" json:"adapters,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -505,6 +517,13 @@ func (x *GetServerInfoResponse) GetLoad() *Load {
 func (x *GetServerInfoResponse) GetLimits() *ServerLimits {
 	if x != nil {
 		return x.Limits
+	}
+	return nil
+}
+
+func (x *GetServerInfoResponse) GetAdapters() []string {
+	if x != nil {
+		return x.Adapters
 	}
 	return nil
 }
@@ -622,8 +641,13 @@ type ServerLimits struct {
 	KvBlockSize uint32 `protobuf:"varint,6,opt,name=kv_block_size,json=kvBlockSize,proto3" json:"kv_block_size,omitempty"`
 	// Tokens the engine processes per step at most.
 	MaxNumBatchedTokens uint32 `protobuf:"varint,7,opt,name=max_num_batched_tokens,json=maxNumBatchedTokens,proto3" json:"max_num_batched_tokens,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// LoRA adapter slots: adapters that running or waiting requests can use at once (0: the server serves no
+	// adapters). More adapters may be loaded; an idle one gives its slot to another when needed.
+	MaxAdapters uint32 `protobuf:"varint,8,opt,name=max_adapters,json=maxAdapters,proto3" json:"max_adapters,omitempty"`
+	// The largest LoRA rank the server loads.
+	MaxLoraRank   uint32 `protobuf:"varint,9,opt,name=max_lora_rank,json=maxLoraRank,proto3" json:"max_lora_rank,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ServerLimits) Reset() {
@@ -701,6 +725,20 @@ func (x *ServerLimits) GetKvBlockSize() uint32 {
 func (x *ServerLimits) GetMaxNumBatchedTokens() uint32 {
 	if x != nil {
 		return x.MaxNumBatchedTokens
+	}
+	return 0
+}
+
+func (x *ServerLimits) GetMaxAdapters() uint32 {
+	if x != nil {
+		return x.MaxAdapters
+	}
+	return 0
+}
+
+func (x *ServerLimits) GetMaxLoraRank() uint32 {
+	if x != nil {
+		return x.MaxLoraRank
 	}
 	return 0
 }
@@ -801,8 +839,8 @@ var File_engine_v1_info_proto protoreflect.FileDescriptor
 
 const file_engine_v1_info_proto_rawDesc = "" +
 	"\n" +
-	"\x14engine/v1/info.proto\x12\tengine.v1\"\x15\n" +
-	"\x13GetModelInfoRequest\"\xef\x03\n" +
+	"\x14engine/v1/info.proto\x12\tengine.v1\x1a\x18engine/v1/adapters.proto\"\x15\n" +
+	"\x13GetModelInfoRequest\"\xa3\x04\n" +
 	"\x14GetModelInfoResponse\x12*\n" +
 	"\x11served_model_name\x18\x01 \x01(\tR\x0fservedModelName\x12\x1d\n" +
 	"\n" +
@@ -818,7 +856,8 @@ const file_engine_v1_info_proto_rawDesc = "" +
 	"\x0enum_parameters\x18\n" +
 	" \x01(\x04R\rnumParameters\x12*\n" +
 	"\x11has_chat_template\x18\v \x01(\bR\x0fhasChatTemplate\x12\x16\n" +
-	"\x06device\x18\f \x01(\tR\x06device\"\xa3\x01\n" +
+	"\x06device\x18\f \x01(\tR\x06device\x122\n" +
+	"\badapters\x18\r \x03(\v2\x16.engine.v1.AdapterInfoR\badapters\"\xa3\x01\n" +
 	"\rSpecialTokens\x12%\n" +
 	"\fbos_token_id\x18\x01 \x01(\rH\x00R\n" +
 	"bosTokenId\x88\x01\x01\x12\"\n" +
@@ -827,7 +866,7 @@ const file_engine_v1_info_proto_rawDesc = "" +
 	"padTokenId\x88\x01\x01B\x0f\n" +
 	"\r_bos_token_idB\x0f\n" +
 	"\r_pad_token_id\"\x16\n" +
-	"\x14GetServerInfoRequest\"\x8a\x02\n" +
+	"\x14GetServerInfoRequest\"\xa6\x02\n" +
 	"\x15GetServerInfoResponse\x12%\n" +
 	"\x0eserver_version\x18\x01 \x01(\tR\rserverVersion\x12\x1f\n" +
 	"\vapi_version\x18\x02 \x01(\tR\n" +
@@ -835,14 +874,15 @@ const file_engine_v1_info_proto_rawDesc = "" +
 	"\x0euptime_seconds\x18\x03 \x01(\x01R\ruptimeSeconds\x12,\n" +
 	"\x05state\x18\x04 \x01(\x0e2\x16.engine.v1.EngineStateR\x05state\x12#\n" +
 	"\x04load\x18\x05 \x01(\v2\x0f.engine.v1.LoadR\x04load\x12/\n" +
-	"\x06limits\x18\x06 \x01(\v2\x17.engine.v1.ServerLimitsR\x06limits\"\xa4\x02\n" +
+	"\x06limits\x18\x06 \x01(\v2\x17.engine.v1.ServerLimitsR\x06limits\x12\x1a\n" +
+	"\badapters\x18\a \x03(\tR\badapters\"\xa4\x02\n" +
 	"\x04Load\x120\n" +
 	"\x14num_running_requests\x18\x01 \x01(\rR\x12numRunningRequests\x120\n" +
 	"\x14num_waiting_requests\x18\x02 \x01(\rR\x12numWaitingRequests\x12$\n" +
 	"\x0ekv_cache_usage\x18\x03 \x01(\x02R\fkvCacheUsage\x12+\n" +
 	"\x12num_free_kv_blocks\x18\x04 \x01(\rR\x0fnumFreeKvBlocks\x12-\n" +
 	"\x13num_total_kv_blocks\x18\x05 \x01(\rR\x10numTotalKvBlocks\x126\n" +
-	"\x17num_running_completions\x18\x06 \x01(\rR\x15numRunningCompletions\"\xd0\x02\n" +
+	"\x17num_running_completions\x18\x06 \x01(\rR\x15numRunningCompletions\"\x97\x03\n" +
 	"\fServerLimits\x12\"\n" +
 	"\rmax_model_len\x18\x01 \x01(\rR\vmaxModelLen\x12 \n" +
 	"\fmax_num_seqs\x18\x02 \x01(\rR\n" +
@@ -851,7 +891,9 @@ const file_engine_v1_info_proto_rawDesc = "" +
 	"\x16max_concurrent_streams\x18\x04 \x01(\rR\x14maxConcurrentStreams\x129\n" +
 	"\x19max_receive_message_bytes\x18\x05 \x01(\rR\x16maxReceiveMessageBytes\x12\"\n" +
 	"\rkv_block_size\x18\x06 \x01(\rR\vkvBlockSize\x123\n" +
-	"\x16max_num_batched_tokens\x18\a \x01(\rR\x13maxNumBatchedTokens\"\x10\n" +
+	"\x16max_num_batched_tokens\x18\a \x01(\rR\x13maxNumBatchedTokens\x12!\n" +
+	"\fmax_adapters\x18\b \x01(\rR\vmaxAdapters\x12\"\n" +
+	"\rmax_lora_rank\x18\t \x01(\rR\vmaxLoraRank\"\x10\n" +
 	"\x0eGetLoadRequest\"d\n" +
 	"\x0fGetLoadResponse\x12#\n" +
 	"\x04load\x18\x01 \x01(\v2\x0f.engine.v1.LoadR\x04load\x12,\n" +
@@ -895,20 +937,22 @@ var file_engine_v1_info_proto_goTypes = []any{
 	(*ServerLimits)(nil),          // 8: engine.v1.ServerLimits
 	(*GetLoadRequest)(nil),        // 9: engine.v1.GetLoadRequest
 	(*GetLoadResponse)(nil),       // 10: engine.v1.GetLoadResponse
+	(*AdapterInfo)(nil),           // 11: engine.v1.AdapterInfo
 }
 var file_engine_v1_info_proto_depIdxs = []int32{
-	0, // 0: engine.v1.GetModelInfoResponse.task:type_name -> engine.v1.ModelTask
-	4, // 1: engine.v1.GetModelInfoResponse.special_tokens:type_name -> engine.v1.SpecialTokens
-	1, // 2: engine.v1.GetServerInfoResponse.state:type_name -> engine.v1.EngineState
-	7, // 3: engine.v1.GetServerInfoResponse.load:type_name -> engine.v1.Load
-	8, // 4: engine.v1.GetServerInfoResponse.limits:type_name -> engine.v1.ServerLimits
-	7, // 5: engine.v1.GetLoadResponse.load:type_name -> engine.v1.Load
-	1, // 6: engine.v1.GetLoadResponse.state:type_name -> engine.v1.EngineState
-	7, // [7:7] is the sub-list for method output_type
-	7, // [7:7] is the sub-list for method input_type
-	7, // [7:7] is the sub-list for extension type_name
-	7, // [7:7] is the sub-list for extension extendee
-	0, // [0:7] is the sub-list for field type_name
+	0,  // 0: engine.v1.GetModelInfoResponse.task:type_name -> engine.v1.ModelTask
+	4,  // 1: engine.v1.GetModelInfoResponse.special_tokens:type_name -> engine.v1.SpecialTokens
+	11, // 2: engine.v1.GetModelInfoResponse.adapters:type_name -> engine.v1.AdapterInfo
+	1,  // 3: engine.v1.GetServerInfoResponse.state:type_name -> engine.v1.EngineState
+	7,  // 4: engine.v1.GetServerInfoResponse.load:type_name -> engine.v1.Load
+	8,  // 5: engine.v1.GetServerInfoResponse.limits:type_name -> engine.v1.ServerLimits
+	7,  // 6: engine.v1.GetLoadResponse.load:type_name -> engine.v1.Load
+	1,  // 7: engine.v1.GetLoadResponse.state:type_name -> engine.v1.EngineState
+	8,  // [8:8] is the sub-list for method output_type
+	8,  // [8:8] is the sub-list for method input_type
+	8,  // [8:8] is the sub-list for extension type_name
+	8,  // [8:8] is the sub-list for extension extendee
+	0,  // [0:8] is the sub-list for field type_name
 }
 
 func init() { file_engine_v1_info_proto_init() }
@@ -916,6 +960,7 @@ func file_engine_v1_info_proto_init() {
 	if File_engine_v1_info_proto != nil {
 		return
 	}
+	file_engine_v1_adapters_proto_init()
 	file_engine_v1_info_proto_msgTypes[2].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{

@@ -9,6 +9,7 @@ import grpclib.client
 if typing.TYPE_CHECKING:
     import grpclib.server
 
+import engine_proto.engine.v1.adapters_pb2
 import engine_proto.engine.v1.cache_pb2
 import engine_proto.engine.v1.embed_pb2
 import engine_proto.engine.v1.generate_pb2
@@ -57,6 +58,18 @@ class EngineServiceBase(abc.ABC):
 
     @abc.abstractmethod
     async def SubscribeCacheEvents(self, stream: 'grpclib.server.Stream[engine_proto.engine.v1.cache_pb2.SubscribeCacheEventsRequest, engine_proto.engine.v1.cache_pb2.SubscribeCacheEventsResponse]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def LoadAdapter(self, stream: 'grpclib.server.Stream[engine_proto.engine.v1.adapters_pb2.LoadAdapterRequest, engine_proto.engine.v1.adapters_pb2.LoadAdapterResponse]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def UnloadAdapter(self, stream: 'grpclib.server.Stream[engine_proto.engine.v1.adapters_pb2.UnloadAdapterRequest, engine_proto.engine.v1.adapters_pb2.UnloadAdapterResponse]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def ListAdapters(self, stream: 'grpclib.server.Stream[engine_proto.engine.v1.adapters_pb2.ListAdaptersRequest, engine_proto.engine.v1.adapters_pb2.ListAdaptersResponse]') -> None:
         pass
 
     def __mapping__(self) -> typing.Dict[str, grpclib.const.Handler]:
@@ -120,6 +133,24 @@ class EngineServiceBase(abc.ABC):
                 grpclib.const.Cardinality.UNARY_STREAM,
                 engine_proto.engine.v1.cache_pb2.SubscribeCacheEventsRequest,
                 engine_proto.engine.v1.cache_pb2.SubscribeCacheEventsResponse,
+            ),
+            '/engine.v1.EngineService/LoadAdapter': grpclib.const.Handler(
+                self.LoadAdapter,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                engine_proto.engine.v1.adapters_pb2.LoadAdapterRequest,
+                engine_proto.engine.v1.adapters_pb2.LoadAdapterResponse,
+            ),
+            '/engine.v1.EngineService/UnloadAdapter': grpclib.const.Handler(
+                self.UnloadAdapter,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                engine_proto.engine.v1.adapters_pb2.UnloadAdapterRequest,
+                engine_proto.engine.v1.adapters_pb2.UnloadAdapterResponse,
+            ),
+            '/engine.v1.EngineService/ListAdapters': grpclib.const.Handler(
+                self.ListAdapters,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                engine_proto.engine.v1.adapters_pb2.ListAdaptersRequest,
+                engine_proto.engine.v1.adapters_pb2.ListAdaptersResponse,
             ),
         }
 
@@ -186,4 +217,22 @@ class EngineServiceStub:
             '/engine.v1.EngineService/SubscribeCacheEvents',
             engine_proto.engine.v1.cache_pb2.SubscribeCacheEventsRequest,
             engine_proto.engine.v1.cache_pb2.SubscribeCacheEventsResponse,
+        )
+        self.LoadAdapter = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/engine.v1.EngineService/LoadAdapter',
+            engine_proto.engine.v1.adapters_pb2.LoadAdapterRequest,
+            engine_proto.engine.v1.adapters_pb2.LoadAdapterResponse,
+        )
+        self.UnloadAdapter = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/engine.v1.EngineService/UnloadAdapter',
+            engine_proto.engine.v1.adapters_pb2.UnloadAdapterRequest,
+            engine_proto.engine.v1.adapters_pb2.UnloadAdapterResponse,
+        )
+        self.ListAdapters = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/engine.v1.EngineService/ListAdapters',
+            engine_proto.engine.v1.adapters_pb2.ListAdaptersRequest,
+            engine_proto.engine.v1.adapters_pb2.ListAdaptersResponse,
         )

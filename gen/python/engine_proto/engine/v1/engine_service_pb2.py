@@ -22,6 +22,7 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from engine_proto.engine.v1 import adapters_pb2 as engine_dot_v1_dot_adapters__pb2
 from engine_proto.engine.v1 import cache_pb2 as engine_dot_v1_dot_cache__pb2
 from engine_proto.engine.v1 import embed_pb2 as engine_dot_v1_dot_embed__pb2
 from engine_proto.engine.v1 import generate_pb2 as engine_dot_v1_dot_generate__pb2
@@ -29,7 +30,7 @@ from engine_proto.engine.v1 import info_pb2 as engine_dot_v1_dot_info__pb2
 from engine_proto.engine.v1 import tokenize_pb2 as engine_dot_v1_dot_tokenize__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65ngine/v1/engine_service.proto\x12\tengine.v1\x1a\x15\x65ngine/v1/cache.proto\x1a\x15\x65ngine/v1/embed.proto\x1a\x18\x65ngine/v1/generate.proto\x1a\x14\x65ngine/v1/info.proto\x1a\x18\x65ngine/v1/tokenize.proto2\xfb\x05\n\rEngineService\x12\x45\n\x08Generate\x12\x1a.engine.v1.GenerateRequest\x1a\x1b.engine.v1.GenerateResponse0\x01\x12:\n\x05\x45mbed\x12\x17.engine.v1.EmbedRequest\x1a\x18.engine.v1.EmbedResponse\x12\x43\n\x08Tokenize\x12\x1a.engine.v1.TokenizeRequest\x1a\x1b.engine.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.engine.v1.DetokenizeRequest\x1a\x1d.engine.v1.DetokenizeResponse\x12:\n\x05\x41\x62ort\x12\x17.engine.v1.AbortRequest\x1a\x18.engine.v1.AbortResponse\x12O\n\x0cGetModelInfo\x12\x1e.engine.v1.GetModelInfoRequest\x1a\x1f.engine.v1.GetModelInfoResponse\x12R\n\rGetServerInfo\x12\x1f.engine.v1.GetServerInfoRequest\x1a .engine.v1.GetServerInfoResponse\x12@\n\x07GetLoad\x12\x19.engine.v1.GetLoadRequest\x1a\x1a.engine.v1.GetLoadResponse\x12I\n\nFlushCache\x12\x1c.engine.v1.FlushCacheRequest\x1a\x1d.engine.v1.FlushCacheResponse\x12i\n\x14SubscribeCacheEvents\x12&.engine.v1.SubscribeCacheEventsRequest\x1a\'.engine.v1.SubscribeCacheEventsResponse0\x01\x42\xa8\x01\n\rcom.engine.v1B\x12\x45ngineServiceProtoP\x01Z>github.com/engine-project/engine/gen/go/api/engine/v1;enginev1\xa2\x02\x03\x45XX\xaa\x02\tEngine.V1\xca\x02\tEngine\\V1\xe2\x02\x15\x45ngine\\V1\\GPBMetadata\xea\x02\nEngine::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65ngine/v1/engine_service.proto\x12\tengine.v1\x1a\x18\x65ngine/v1/adapters.proto\x1a\x15\x65ngine/v1/cache.proto\x1a\x15\x65ngine/v1/embed.proto\x1a\x18\x65ngine/v1/generate.proto\x1a\x14\x65ngine/v1/info.proto\x1a\x18\x65ngine/v1/tokenize.proto2\xee\x07\n\rEngineService\x12\x45\n\x08Generate\x12\x1a.engine.v1.GenerateRequest\x1a\x1b.engine.v1.GenerateResponse0\x01\x12:\n\x05\x45mbed\x12\x17.engine.v1.EmbedRequest\x1a\x18.engine.v1.EmbedResponse\x12\x43\n\x08Tokenize\x12\x1a.engine.v1.TokenizeRequest\x1a\x1b.engine.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.engine.v1.DetokenizeRequest\x1a\x1d.engine.v1.DetokenizeResponse\x12:\n\x05\x41\x62ort\x12\x17.engine.v1.AbortRequest\x1a\x18.engine.v1.AbortResponse\x12O\n\x0cGetModelInfo\x12\x1e.engine.v1.GetModelInfoRequest\x1a\x1f.engine.v1.GetModelInfoResponse\x12R\n\rGetServerInfo\x12\x1f.engine.v1.GetServerInfoRequest\x1a .engine.v1.GetServerInfoResponse\x12@\n\x07GetLoad\x12\x19.engine.v1.GetLoadRequest\x1a\x1a.engine.v1.GetLoadResponse\x12I\n\nFlushCache\x12\x1c.engine.v1.FlushCacheRequest\x1a\x1d.engine.v1.FlushCacheResponse\x12i\n\x14SubscribeCacheEvents\x12&.engine.v1.SubscribeCacheEventsRequest\x1a\'.engine.v1.SubscribeCacheEventsResponse0\x01\x12L\n\x0bLoadAdapter\x12\x1d.engine.v1.LoadAdapterRequest\x1a\x1e.engine.v1.LoadAdapterResponse\x12R\n\rUnloadAdapter\x12\x1f.engine.v1.UnloadAdapterRequest\x1a .engine.v1.UnloadAdapterResponse\x12O\n\x0cListAdapters\x12\x1e.engine.v1.ListAdaptersRequest\x1a\x1f.engine.v1.ListAdaptersResponseB\xa8\x01\n\rcom.engine.v1B\x12\x45ngineServiceProtoP\x01Z>github.com/engine-project/engine/gen/go/api/engine/v1;enginev1\xa2\x02\x03\x45XX\xaa\x02\tEngine.V1\xca\x02\tEngine\\V1\xe2\x02\x15\x45ngine\\V1\\GPBMetadata\xea\x02\nEngine::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,6 +38,6 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'engine_proto.engine.v1.engi
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rcom.engine.v1B\022EngineServiceProtoP\001Z>github.com/engine-project/engine/gen/go/api/engine/v1;enginev1\242\002\003EXX\252\002\tEngine.V1\312\002\tEngine\\V1\342\002\025Engine\\V1\\GPBMetadata\352\002\nEngine::V1'
-  _globals['_ENGINESERVICE']._serialized_start=166
-  _globals['_ENGINESERVICE']._serialized_end=929
+  _globals['_ENGINESERVICE']._serialized_start=192
+  _globals['_ENGINESERVICE']._serialized_end=1198
 # @@protoc_insertion_point(module_scope)

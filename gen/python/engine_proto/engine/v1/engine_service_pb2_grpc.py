@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from engine_proto.engine.v1 import adapters_pb2 as engine_dot_v1_dot_adapters__pb2
 from engine_proto.engine.v1 import cache_pb2 as engine_dot_v1_dot_cache__pb2
 from engine_proto.engine.v1 import embed_pb2 as engine_dot_v1_dot_embed__pb2
 from engine_proto.engine.v1 import generate_pb2 as engine_dot_v1_dot_generate__pb2
@@ -88,6 +89,21 @@ class EngineServiceStub:
                 '/engine.v1.EngineService/SubscribeCacheEvents',
                 request_serializer=engine_dot_v1_dot_cache__pb2.SubscribeCacheEventsRequest.SerializeToString,
                 response_deserializer=engine_dot_v1_dot_cache__pb2.SubscribeCacheEventsResponse.FromString,
+                _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/engine.v1.EngineService/LoadAdapter',
+                request_serializer=engine_dot_v1_dot_adapters__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=engine_dot_v1_dot_adapters__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/engine.v1.EngineService/UnloadAdapter',
+                request_serializer=engine_dot_v1_dot_adapters__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=engine_dot_v1_dot_adapters__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/engine.v1.EngineService/ListAdapters',
+                request_serializer=engine_dot_v1_dot_adapters__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=engine_dot_v1_dot_adapters__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
 
 
@@ -213,6 +229,48 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapter management. Admin operations: a server answers them only when its operator enabled them
+        (--enable-adapter-admin); where the server uses API keys, a call MUST also carry the admin key in the
+        `x-admin-key` metadata (besides the API key every call carries). Errors shared by the three:
+        PERMISSION_DENIED  adapter management is off on this server, or the admin key is missing or wrong.
+
+        LoadAdapter reads a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors; LoRA on any of the
+        q/k/v/o and gate/up/down projections, any rank up to ServerLimits.max_lora_rank, lora_alpha and rsLoRA
+        scaling as peft defines them) from below the server's adapter directory. It returns once the adapter is
+        loaded; Generate requests may name it from then on. A refused adapter leaves nothing loaded.
+        Errors:
+        INVALID_ARGUMENT     a bad name; a path outside the adapter directory (../, absolute, a symlink leading
+        out: refused unread), missing, or not a directory; files that are not a LoRA
+        adapter the server implements (config missing or unparseable, another PEFT type,
+        DoRA or other options, safetensors missing, corrupt or oversized, wrong tensor
+        names or shapes, non-finite weights); target modules the model does not have; a
+        rank above max_lora_rank. The message says which.
+        ALREADY_EXISTS       an adapter of that name is loaded.
+        FAILED_PRECONDITION  the server serves no adapters (--max-adapters 0) or has no adapter directory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """UnloadAdapter forgets a loaded adapter. It is refused while Generate requests use it: nothing is cut short;
+        stop sending the name, let them finish (or Abort them), then unload.
+        Errors:
+        NOT_FOUND            no adapter of that name is loaded.
+        FAILED_PRECONDITION  running or waiting requests use it (the message says how many).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """ListAdapters lists the loaded adapters with their use now (requests, slot residency).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -265,6 +323,21 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.SubscribeCacheEvents,
                     request_deserializer=engine_dot_v1_dot_cache__pb2.SubscribeCacheEventsRequest.FromString,
                     response_serializer=engine_dot_v1_dot_cache__pb2.SubscribeCacheEventsResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=engine_dot_v1_dot_adapters__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=engine_dot_v1_dot_adapters__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=engine_dot_v1_dot_adapters__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=engine_dot_v1_dot_adapters__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=engine_dot_v1_dot_adapters__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=engine_dot_v1_dot_adapters__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -538,6 +611,87 @@ class EngineService:
             '/engine.v1.EngineService/SubscribeCacheEvents',
             engine_dot_v1_dot_cache__pb2.SubscribeCacheEventsRequest.SerializeToString,
             engine_dot_v1_dot_cache__pb2.SubscribeCacheEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine.v1.EngineService/LoadAdapter',
+            engine_dot_v1_dot_adapters__pb2.LoadAdapterRequest.SerializeToString,
+            engine_dot_v1_dot_adapters__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine.v1.EngineService/UnloadAdapter',
+            engine_dot_v1_dot_adapters__pb2.UnloadAdapterRequest.SerializeToString,
+            engine_dot_v1_dot_adapters__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine.v1.EngineService/ListAdapters',
+            engine_dot_v1_dot_adapters__pb2.ListAdaptersRequest.SerializeToString,
+            engine_dot_v1_dot_adapters__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

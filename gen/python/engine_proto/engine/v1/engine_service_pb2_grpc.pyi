@@ -21,6 +21,7 @@ for the empty service name and for "engine.v1.EngineService".
 """
 
 from collections import abc as _abc
+from engine_proto.engine.v1 import adapters_pb2 as _adapters_pb2
 from engine_proto.engine.v1 import cache_pb2 as _cache_pb2
 from engine_proto.engine.v1 import embed_pb2 as _embed_pb2
 from engine_proto.engine.v1 import generate_pb2 as _generate_pb2
@@ -130,6 +131,35 @@ class EngineServiceStub:
     Without prefix caching (the server's --no-prefix-caching) there are no events: the snapshot is empty and the
     stream carries heartbeats with the load.
     """
+    LoadAdapter: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.LoadAdapterRequest, _adapters_pb2.LoadAdapterResponse]
+    """LoRA adapter management. Admin operations: a server answers them only when its operator enabled them
+    (--enable-adapter-admin); where the server uses API keys, a call MUST also carry the admin key in the
+    `x-admin-key` metadata (besides the API key every call carries). Errors shared by the three:
+      PERMISSION_DENIED  adapter management is off on this server, or the admin key is missing or wrong.
+
+    LoadAdapter reads a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors; LoRA on any of the
+    q/k/v/o and gate/up/down projections, any rank up to ServerLimits.max_lora_rank, lora_alpha and rsLoRA
+    scaling as peft defines them) from below the server's adapter directory. It returns once the adapter is
+    loaded; Generate requests may name it from then on. A refused adapter leaves nothing loaded.
+    Errors:
+      INVALID_ARGUMENT     a bad name; a path outside the adapter directory (../, absolute, a symlink leading
+                           out: refused unread), missing, or not a directory; files that are not a LoRA
+                           adapter the server implements (config missing or unparseable, another PEFT type,
+                           DoRA or other options, safetensors missing, corrupt or oversized, wrong tensor
+                           names or shapes, non-finite weights); target modules the model does not have; a
+                           rank above max_lora_rank. The message says which.
+      ALREADY_EXISTS       an adapter of that name is loaded.
+      FAILED_PRECONDITION  the server serves no adapters (--max-adapters 0) or has no adapter directory.
+    """
+    UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.UnloadAdapterRequest, _adapters_pb2.UnloadAdapterResponse]
+    """UnloadAdapter forgets a loaded adapter. It is refused while Generate requests use it: nothing is cut short;
+    stop sending the name, let them finish (or Abort them), then unload.
+    Errors:
+      NOT_FOUND            no adapter of that name is loaded.
+      FAILED_PRECONDITION  running or waiting requests use it (the message says how many).
+    """
+    ListAdapters: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.ListAdaptersRequest, _adapters_pb2.ListAdaptersResponse]
+    """ListAdapters lists the loaded adapters with their use now (requests, slot residency)."""
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -212,6 +242,35 @@ class EngineServiceAsyncStub(EngineServiceStub):
     Without prefix caching (the server's --no-prefix-caching) there are no events: the snapshot is empty and the
     stream carries heartbeats with the load.
     """
+    LoadAdapter: _aio.UnaryUnaryMultiCallable[_adapters_pb2.LoadAdapterRequest, _adapters_pb2.LoadAdapterResponse]  # type: ignore[assignment]
+    """LoRA adapter management. Admin operations: a server answers them only when its operator enabled them
+    (--enable-adapter-admin); where the server uses API keys, a call MUST also carry the admin key in the
+    `x-admin-key` metadata (besides the API key every call carries). Errors shared by the three:
+      PERMISSION_DENIED  adapter management is off on this server, or the admin key is missing or wrong.
+
+    LoadAdapter reads a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors; LoRA on any of the
+    q/k/v/o and gate/up/down projections, any rank up to ServerLimits.max_lora_rank, lora_alpha and rsLoRA
+    scaling as peft defines them) from below the server's adapter directory. It returns once the adapter is
+    loaded; Generate requests may name it from then on. A refused adapter leaves nothing loaded.
+    Errors:
+      INVALID_ARGUMENT     a bad name; a path outside the adapter directory (../, absolute, a symlink leading
+                           out: refused unread), missing, or not a directory; files that are not a LoRA
+                           adapter the server implements (config missing or unparseable, another PEFT type,
+                           DoRA or other options, safetensors missing, corrupt or oversized, wrong tensor
+                           names or shapes, non-finite weights); target modules the model does not have; a
+                           rank above max_lora_rank. The message says which.
+      ALREADY_EXISTS       an adapter of that name is loaded.
+      FAILED_PRECONDITION  the server serves no adapters (--max-adapters 0) or has no adapter directory.
+    """
+    UnloadAdapter: _aio.UnaryUnaryMultiCallable[_adapters_pb2.UnloadAdapterRequest, _adapters_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
+    """UnloadAdapter forgets a loaded adapter. It is refused while Generate requests use it: nothing is cut short;
+    stop sending the name, let them finish (or Abort them), then unload.
+    Errors:
+      NOT_FOUND            no adapter of that name is loaded.
+      FAILED_PRECONDITION  running or waiting requests use it (the message says how many).
+    """
+    ListAdapters: _aio.UnaryUnaryMultiCallable[_adapters_pb2.ListAdaptersRequest, _adapters_pb2.ListAdaptersResponse]  # type: ignore[assignment]
+    """ListAdapters lists the loaded adapters with their use now (requests, slot residency)."""
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     """EngineService runs inference on one loaded model."""
@@ -351,5 +410,52 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         Without prefix caching (the server's --no-prefix-caching) there are no events: the snapshot is empty and the
         stream carries heartbeats with the load.
         """
+
+    @_abc_1.abstractmethod
+    def LoadAdapter(
+        self,
+        request: _adapters_pb2.LoadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_adapters_pb2.LoadAdapterResponse, _abc.Awaitable[_adapters_pb2.LoadAdapterResponse]]:
+        """LoRA adapter management. Admin operations: a server answers them only when its operator enabled them
+        (--enable-adapter-admin); where the server uses API keys, a call MUST also carry the admin key in the
+        `x-admin-key` metadata (besides the API key every call carries). Errors shared by the three:
+          PERMISSION_DENIED  adapter management is off on this server, or the admin key is missing or wrong.
+
+        LoadAdapter reads a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors; LoRA on any of the
+        q/k/v/o and gate/up/down projections, any rank up to ServerLimits.max_lora_rank, lora_alpha and rsLoRA
+        scaling as peft defines them) from below the server's adapter directory. It returns once the adapter is
+        loaded; Generate requests may name it from then on. A refused adapter leaves nothing loaded.
+        Errors:
+          INVALID_ARGUMENT     a bad name; a path outside the adapter directory (../, absolute, a symlink leading
+                               out: refused unread), missing, or not a directory; files that are not a LoRA
+                               adapter the server implements (config missing or unparseable, another PEFT type,
+                               DoRA or other options, safetensors missing, corrupt or oversized, wrong tensor
+                               names or shapes, non-finite weights); target modules the model does not have; a
+                               rank above max_lora_rank. The message says which.
+          ALREADY_EXISTS       an adapter of that name is loaded.
+          FAILED_PRECONDITION  the server serves no adapters (--max-adapters 0) or has no adapter directory.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadAdapter(
+        self,
+        request: _adapters_pb2.UnloadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_adapters_pb2.UnloadAdapterResponse, _abc.Awaitable[_adapters_pb2.UnloadAdapterResponse]]:
+        """UnloadAdapter forgets a loaded adapter. It is refused while Generate requests use it: nothing is cut short;
+        stop sending the name, let them finish (or Abort them), then unload.
+        Errors:
+          NOT_FOUND            no adapter of that name is loaded.
+          FAILED_PRECONDITION  running or waiting requests use it (the message says how many).
+        """
+
+    @_abc_1.abstractmethod
+    def ListAdapters(
+        self,
+        request: _adapters_pb2.ListAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_adapters_pb2.ListAdaptersResponse, _abc.Awaitable[_adapters_pb2.ListAdaptersResponse]]:
+        """ListAdapters lists the loaded adapters with their use now (requests, slot residency)."""
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -73,6 +73,7 @@ class GenerateRequest(_message.Message):
     STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id of this request, unique among the server's in-flight requests; used by Abort and in logs.
     Default: empty, and the server assigns a unique id and returns it in every response.
@@ -112,6 +113,17 @@ class GenerateRequest(_message.Message):
     steady stream of higher-priority requests can keep a lower-priority request waiting indefinitely (its
     deadline, if any, still ends it). Priority does not change a completion's tokens: a greedy or seeded
     completion is the same at every priority.
+    """
+    adapter: _builtins.str
+    """The LoRA adapter to generate with: the name of a loaded adapter (GetModelInfoResponse.adapters, loaded at
+    launch with --adapter or by LoadAdapter). Default: empty, the base model. Requests of different adapters
+    and of the base model run in the same batches; each request's tokens are those of its own adapter alone.
+    Its prefix-cache blocks are its adapter's own: never shared with the base model or another adapter (nor
+    with an earlier load of the same name), so cached_prompt_tokens counts only blocks of the same adapter
+    (and cache_salt). Text input is tokenized with the base model's tokenizer (adapters bring no tokenizer of
+    their own; Tokenize has no adapter field). Errors: INVALID_ARGUMENT naming adapter when no adapter of that
+    name is loaded (or the server serves none); RESOURCE_EXHAUSTED when every adapter slot (--max-adapters)
+    holds another adapter that running or waiting requests use (retry later).
     """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
@@ -159,10 +171,11 @@ class GenerateRequest(_message.Message):
         structured_output: Global___StructuredOutput | None = ...,
         cache_salt: _builtins.str = ...,
         priority: _builtins.int = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "output", b"output", "sampling", b"sampling", "stopping", b"stopping", "structured_output", b"structured_output", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "output", b"output", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling", "stopping", b"stopping", "stream", b"stream", "structured_output", b"structured_output", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "adapter", b"adapter", "add_special_tokens", b"add_special_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "output", b"output", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling", "stopping", b"stopping", "stream", b"stream", "structured_output", b"structured_output", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
     _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015

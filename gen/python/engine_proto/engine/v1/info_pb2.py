@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from engine_proto.engine.v1 import adapters_pb2 as engine_dot_v1_dot_adapters__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65ngine/v1/info.proto\x12\tengine.v1\"\x15\n\x13GetModelInfoRequest\"\xef\x03\n\x14GetModelInfoResponse\x12*\n\x11served_model_name\x18\x01 \x01(\tR\x0fservedModelName\x12\x1d\n\nmodel_path\x18\x02 \x01(\tR\tmodelPath\x12\"\n\x0c\x61rchitecture\x18\x03 \x01(\tR\x0c\x61rchitecture\x12(\n\x04task\x18\x04 \x01(\x0e\x32\x14.engine.v1.ModelTaskR\x04task\x12,\n\x12max_context_length\x18\x05 \x01(\rR\x10maxContextLength\x12\x1d\n\nvocab_size\x18\x06 \x01(\rR\tvocabSize\x12?\n\x0especial_tokens\x18\x07 \x01(\x0b\x32\x18.engine.v1.SpecialTokensR\rspecialTokens\x12\x14\n\x05\x64type\x18\x08 \x01(\tR\x05\x64type\x12/\n\x13\x65mbedding_dimension\x18\t \x01(\rR\x12\x65mbeddingDimension\x12%\n\x0enum_parameters\x18\n \x01(\x04R\rnumParameters\x12*\n\x11has_chat_template\x18\x0b \x01(\x08R\x0fhasChatTemplate\x12\x16\n\x06\x64\x65vice\x18\x0c \x01(\tR\x06\x64\x65vice\"\xa3\x01\n\rSpecialTokens\x12%\n\x0c\x62os_token_id\x18\x01 \x01(\rH\x00R\nbosTokenId\x88\x01\x01\x12\"\n\reos_token_ids\x18\x02 \x03(\rR\x0b\x65osTokenIds\x12%\n\x0cpad_token_id\x18\x03 \x01(\rH\x01R\npadTokenId\x88\x01\x01\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\x16\n\x14GetServerInfoRequest\"\x8a\x02\n\x15GetServerInfoResponse\x12%\n\x0eserver_version\x18\x01 \x01(\tR\rserverVersion\x12\x1f\n\x0b\x61pi_version\x18\x02 \x01(\tR\napiVersion\x12%\n\x0euptime_seconds\x18\x03 \x01(\x01R\ruptimeSeconds\x12,\n\x05state\x18\x04 \x01(\x0e\x32\x16.engine.v1.EngineStateR\x05state\x12#\n\x04load\x18\x05 \x01(\x0b\x32\x0f.engine.v1.LoadR\x04load\x12/\n\x06limits\x18\x06 \x01(\x0b\x32\x17.engine.v1.ServerLimitsR\x06limits\"\xa4\x02\n\x04Load\x12\x30\n\x14num_running_requests\x18\x01 \x01(\rR\x12numRunningRequests\x12\x30\n\x14num_waiting_requests\x18\x02 \x01(\rR\x12numWaitingRequests\x12$\n\x0ekv_cache_usage\x18\x03 \x01(\x02R\x0ckvCacheUsage\x12+\n\x12num_free_kv_blocks\x18\x04 \x01(\rR\x0fnumFreeKvBlocks\x12-\n\x13num_total_kv_blocks\x18\x05 \x01(\rR\x10numTotalKvBlocks\x12\x36\n\x17num_running_completions\x18\x06 \x01(\rR\x15numRunningCompletions\"\xd0\x02\n\x0cServerLimits\x12\"\n\rmax_model_len\x18\x01 \x01(\rR\x0bmaxModelLen\x12 \n\x0cmax_num_seqs\x18\x02 \x01(\rR\nmaxNumSeqs\x12\x30\n\x14max_waiting_requests\x18\x03 \x01(\rR\x12maxWaitingRequests\x12\x34\n\x16max_concurrent_streams\x18\x04 \x01(\rR\x14maxConcurrentStreams\x12\x39\n\x19max_receive_message_bytes\x18\x05 \x01(\rR\x16maxReceiveMessageBytes\x12\"\n\rkv_block_size\x18\x06 \x01(\rR\x0bkvBlockSize\x12\x33\n\x16max_num_batched_tokens\x18\x07 \x01(\rR\x13maxNumBatchedTokens\"\x10\n\x0eGetLoadRequest\"d\n\x0fGetLoadResponse\x12#\n\x04load\x18\x01 \x01(\x0b\x32\x0f.engine.v1.LoadR\x04load\x12,\n\x05state\x18\x02 \x01(\x0e\x32\x16.engine.v1.EngineStateR\x05state*V\n\tModelTask\x12\x1a\n\x16MODEL_TASK_UNSPECIFIED\x10\x00\x12\x17\n\x13MODEL_TASK_GENERATE\x10\x01\x12\x14\n\x10MODEL_TASK_EMBED\x10\x02*\x94\x01\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_STATE_STARTING\x10\x01\x12\x18\n\x14\x45NGINE_STATE_SERVING\x10\x02\x12\x19\n\x15\x45NGINE_STATE_DRAINING\x10\x03\x12\x17\n\x13\x45NGINE_STATE_FAILED\x10\x04\x42\x9f\x01\n\rcom.engine.v1B\tInfoProtoP\x01Z>github.com/engine-project/engine/gen/go/api/engine/v1;enginev1\xa2\x02\x03\x45XX\xaa\x02\tEngine.V1\xca\x02\tEngine\\V1\xe2\x02\x15\x45ngine\\V1\\GPBMetadata\xea\x02\nEngine::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65ngine/v1/info.proto\x12\tengine.v1\x1a\x18\x65ngine/v1/adapters.proto\"\x15\n\x13GetModelInfoRequest\"\xa3\x04\n\x14GetModelInfoResponse\x12*\n\x11served_model_name\x18\x01 \x01(\tR\x0fservedModelName\x12\x1d\n\nmodel_path\x18\x02 \x01(\tR\tmodelPath\x12\"\n\x0c\x61rchitecture\x18\x03 \x01(\tR\x0c\x61rchitecture\x12(\n\x04task\x18\x04 \x01(\x0e\x32\x14.engine.v1.ModelTaskR\x04task\x12,\n\x12max_context_length\x18\x05 \x01(\rR\x10maxContextLength\x12\x1d\n\nvocab_size\x18\x06 \x01(\rR\tvocabSize\x12?\n\x0especial_tokens\x18\x07 \x01(\x0b\x32\x18.engine.v1.SpecialTokensR\rspecialTokens\x12\x14\n\x05\x64type\x18\x08 \x01(\tR\x05\x64type\x12/\n\x13\x65mbedding_dimension\x18\t \x01(\rR\x12\x65mbeddingDimension\x12%\n\x0enum_parameters\x18\n \x01(\x04R\rnumParameters\x12*\n\x11has_chat_template\x18\x0b \x01(\x08R\x0fhasChatTemplate\x12\x16\n\x06\x64\x65vice\x18\x0c \x01(\tR\x06\x64\x65vice\x12\x32\n\x08\x61\x64\x61pters\x18\r \x03(\x0b\x32\x16.engine.v1.AdapterInfoR\x08\x61\x64\x61pters\"\xa3\x01\n\rSpecialTokens\x12%\n\x0c\x62os_token_id\x18\x01 \x01(\rH\x00R\nbosTokenId\x88\x01\x01\x12\"\n\reos_token_ids\x18\x02 \x03(\rR\x0b\x65osTokenIds\x12%\n\x0cpad_token_id\x18\x03 \x01(\rH\x01R\npadTokenId\x88\x01\x01\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\x16\n\x14GetServerInfoRequest\"\xa6\x02\n\x15GetServerInfoResponse\x12%\n\x0eserver_version\x18\x01 \x01(\tR\rserverVersion\x12\x1f\n\x0b\x61pi_version\x18\x02 \x01(\tR\napiVersion\x12%\n\x0euptime_seconds\x18\x03 \x01(\x01R\ruptimeSeconds\x12,\n\x05state\x18\x04 \x01(\x0e\x32\x16.engine.v1.EngineStateR\x05state\x12#\n\x04load\x18\x05 \x01(\x0b\x32\x0f.engine.v1.LoadR\x04load\x12/\n\x06limits\x18\x06 \x01(\x0b\x32\x17.engine.v1.ServerLimitsR\x06limits\x12\x1a\n\x08\x61\x64\x61pters\x18\x07 \x03(\tR\x08\x61\x64\x61pters\"\xa4\x02\n\x04Load\x12\x30\n\x14num_running_requests\x18\x01 \x01(\rR\x12numRunningRequests\x12\x30\n\x14num_waiting_requests\x18\x02 \x01(\rR\x12numWaitingRequests\x12$\n\x0ekv_cache_usage\x18\x03 \x01(\x02R\x0ckvCacheUsage\x12+\n\x12num_free_kv_blocks\x18\x04 \x01(\rR\x0fnumFreeKvBlocks\x12-\n\x13num_total_kv_blocks\x18\x05 \x01(\rR\x10numTotalKvBlocks\x12\x36\n\x17num_running_completions\x18\x06 \x01(\rR\x15numRunningCompletions\"\x97\x03\n\x0cServerLimits\x12\"\n\rmax_model_len\x18\x01 \x01(\rR\x0bmaxModelLen\x12 \n\x0cmax_num_seqs\x18\x02 \x01(\rR\nmaxNumSeqs\x12\x30\n\x14max_waiting_requests\x18\x03 \x01(\rR\x12maxWaitingRequests\x12\x34\n\x16max_concurrent_streams\x18\x04 \x01(\rR\x14maxConcurrentStreams\x12\x39\n\x19max_receive_message_bytes\x18\x05 \x01(\rR\x16maxReceiveMessageBytes\x12\"\n\rkv_block_size\x18\x06 \x01(\rR\x0bkvBlockSize\x12\x33\n\x16max_num_batched_tokens\x18\x07 \x01(\rR\x13maxNumBatchedTokens\x12!\n\x0cmax_adapters\x18\x08 \x01(\rR\x0bmaxAdapters\x12\"\n\rmax_lora_rank\x18\t \x01(\rR\x0bmaxLoraRank\"\x10\n\x0eGetLoadRequest\"d\n\x0fGetLoadResponse\x12#\n\x04load\x18\x01 \x01(\x0b\x32\x0f.engine.v1.LoadR\x04load\x12,\n\x05state\x18\x02 \x01(\x0e\x32\x16.engine.v1.EngineStateR\x05state*V\n\tModelTask\x12\x1a\n\x16MODEL_TASK_UNSPECIFIED\x10\x00\x12\x17\n\x13MODEL_TASK_GENERATE\x10\x01\x12\x14\n\x10MODEL_TASK_EMBED\x10\x02*\x94\x01\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_STATE_STARTING\x10\x01\x12\x18\n\x14\x45NGINE_STATE_SERVING\x10\x02\x12\x19\n\x15\x45NGINE_STATE_DRAINING\x10\x03\x12\x17\n\x13\x45NGINE_STATE_FAILED\x10\x04\x42\x9f\x01\n\rcom.engine.v1B\tInfoProtoP\x01Z>github.com/engine-project/engine/gen/go/api/engine/v1;enginev1\xa2\x02\x03\x45XX\xaa\x02\tEngine.V1\xca\x02\tEngine\\V1\xe2\x02\x15\x45ngine\\V1\\GPBMetadata\xea\x02\nEngine::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,26 +33,26 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'engine_proto.engine.v1.info
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rcom.engine.v1B\tInfoProtoP\001Z>github.com/engine-project/engine/gen/go/api/engine/v1;enginev1\242\002\003EXX\252\002\tEngine.V1\312\002\tEngine\\V1\342\002\025Engine\\V1\\GPBMetadata\352\002\nEngine::V1'
-  _globals['_MODELTASK']._serialized_start=1769
-  _globals['_MODELTASK']._serialized_end=1855
-  _globals['_ENGINESTATE']._serialized_start=1858
-  _globals['_ENGINESTATE']._serialized_end=2006
-  _globals['_GETMODELINFOREQUEST']._serialized_start=35
-  _globals['_GETMODELINFOREQUEST']._serialized_end=56
-  _globals['_GETMODELINFORESPONSE']._serialized_start=59
-  _globals['_GETMODELINFORESPONSE']._serialized_end=554
-  _globals['_SPECIALTOKENS']._serialized_start=557
-  _globals['_SPECIALTOKENS']._serialized_end=720
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=722
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=744
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=747
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=1013
-  _globals['_LOAD']._serialized_start=1016
-  _globals['_LOAD']._serialized_end=1308
-  _globals['_SERVERLIMITS']._serialized_start=1311
-  _globals['_SERVERLIMITS']._serialized_end=1647
-  _globals['_GETLOADREQUEST']._serialized_start=1649
-  _globals['_GETLOADREQUEST']._serialized_end=1665
-  _globals['_GETLOADRESPONSE']._serialized_start=1667
-  _globals['_GETLOADRESPONSE']._serialized_end=1767
+  _globals['_MODELTASK']._serialized_start=1946
+  _globals['_MODELTASK']._serialized_end=2032
+  _globals['_ENGINESTATE']._serialized_start=2035
+  _globals['_ENGINESTATE']._serialized_end=2183
+  _globals['_GETMODELINFOREQUEST']._serialized_start=61
+  _globals['_GETMODELINFOREQUEST']._serialized_end=82
+  _globals['_GETMODELINFORESPONSE']._serialized_start=85
+  _globals['_GETMODELINFORESPONSE']._serialized_end=632
+  _globals['_SPECIALTOKENS']._serialized_start=635
+  _globals['_SPECIALTOKENS']._serialized_end=798
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=800
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=822
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=825
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=1119
+  _globals['_LOAD']._serialized_start=1122
+  _globals['_LOAD']._serialized_end=1414
+  _globals['_SERVERLIMITS']._serialized_start=1417
+  _globals['_SERVERLIMITS']._serialized_end=1824
+  _globals['_GETLOADREQUEST']._serialized_start=1826
+  _globals['_GETLOADREQUEST']._serialized_end=1842
+  _globals['_GETLOADRESPONSE']._serialized_start=1844
+  _globals['_GETLOADRESPONSE']._serialized_end=1944
 # @@protoc_insertion_point(module_scope)

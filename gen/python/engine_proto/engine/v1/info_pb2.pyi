@@ -4,6 +4,7 @@ isort:skip_file
 """
 
 from collections import abc as _abc
+from engine_proto.engine.v1 import adapters_pb2 as _adapters_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
@@ -110,6 +111,7 @@ class GetModelInfoResponse(_message.Message):
     NUM_PARAMETERS_FIELD_NUMBER: _builtins.int
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     served_model_name: _builtins.str
     """The name clients use for the model (the served model name; defaults to the model directory's name)."""
     model_path: _builtins.str
@@ -136,6 +138,12 @@ class GetModelInfoResponse(_message.Message):
     def special_tokens(self) -> Global___SpecialTokens:
         """The tokenizer's special tokens."""
 
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[_adapters_pb2.AdapterInfo]:
+        """The LoRA adapters loaded now, by name (GenerateRequest.adapter); empty when none is (num_requests and
+        is_resident are not reported here: ListAdapters has them).
+        """
+
     def __init__(
         self,
         *,
@@ -151,10 +159,11 @@ class GetModelInfoResponse(_message.Message):
         num_parameters: _builtins.int = ...,
         has_chat_template: _builtins.bool = ...,
         device: _builtins.str = ...,
+        adapters: _abc.Iterable[_adapters_pb2.AdapterInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["special_tokens", b"special_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "device", b"device", "dtype", b"dtype", "embedding_dimension", b"embedding_dimension", "has_chat_template", b"has_chat_template", "max_context_length", b"max_context_length", "model_path", b"model_path", "num_parameters", b"num_parameters", "served_model_name", b"served_model_name", "special_tokens", b"special_tokens", "task", b"task", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "architecture", b"architecture", "device", b"device", "dtype", b"dtype", "embedding_dimension", b"embedding_dimension", "has_chat_template", b"has_chat_template", "max_context_length", b"max_context_length", "model_path", b"model_path", "num_parameters", b"num_parameters", "served_model_name", b"served_model_name", "special_tokens", b"special_tokens", "task", b"task", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -228,6 +237,7 @@ class GetServerInfoResponse(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     server_version: _builtins.str
     """The server's version (semantic versioning)."""
     api_version: _builtins.str
@@ -244,6 +254,10 @@ class GetServerInfoResponse(_message.Message):
     def limits(self) -> Global___ServerLimits:
         """Configured limits."""
 
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The names of the LoRA adapters loaded now, sorted."""
+
     def __init__(
         self,
         *,
@@ -253,10 +267,11 @@ class GetServerInfoResponse(_message.Message):
         state: Global___EngineState.ValueType = ...,
         load: Global___Load | None = ...,
         limits: Global___ServerLimits | None = ...,
+        adapters: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_version", b"api_version", "limits", b"limits", "load", b"load", "server_version", b"server_version", "state", b"state", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "api_version", b"api_version", "limits", b"limits", "load", b"load", "server_version", b"server_version", "state", b"state", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -326,6 +341,8 @@ class ServerLimits(_message.Message):
     MAX_RECEIVE_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     KV_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_ADAPTERS_FIELD_NUMBER: _builtins.int
+    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
     max_model_len: _builtins.int
     """Maximum prompt plus output tokens per request."""
     max_num_seqs: _builtins.int
@@ -340,6 +357,12 @@ class ServerLimits(_message.Message):
     """KV cache block size, in tokens."""
     max_num_batched_tokens: _builtins.int
     """Tokens the engine processes per step at most."""
+    max_adapters: _builtins.int
+    """LoRA adapter slots: adapters that running or waiting requests can use at once (0: the server serves no
+    adapters). More adapters may be loaded; an idle one gives its slot to another when needed.
+    """
+    max_lora_rank: _builtins.int
+    """The largest LoRA rank the server loads."""
     def __init__(
         self,
         *,
@@ -350,10 +373,12 @@ class ServerLimits(_message.Message):
         max_receive_message_bytes: _builtins.int = ...,
         kv_block_size: _builtins.int = ...,
         max_num_batched_tokens: _builtins.int = ...,
+        max_adapters: _builtins.int = ...,
+        max_lora_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_block_size", b"kv_block_size", "max_concurrent_streams", b"max_concurrent_streams", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "max_receive_message_bytes", b"max_receive_message_bytes", "max_waiting_requests", b"max_waiting_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_block_size", b"kv_block_size", "max_adapters", b"max_adapters", "max_concurrent_streams", b"max_concurrent_streams", "max_lora_rank", b"max_lora_rank", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "max_receive_message_bytes", b"max_receive_message_bytes", "max_waiting_requests", b"max_waiting_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

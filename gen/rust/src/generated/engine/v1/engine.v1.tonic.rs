@@ -398,6 +398,105 @@ pub mod engine_service_client {
                 );
             self.inner.server_streaming(req, path, codec).await
         }
+        /** LoRA adapter management. Admin operations: a server answers them only when its operator enabled them
+ (--enable-adapter-admin); where the server uses API keys, a call MUST also carry the admin key in the
+ `x-admin-key` metadata (besides the API key every call carries). Errors shared by the three:
+   PERMISSION_DENIED  adapter management is off on this server, or the admin key is missing or wrong.
+
+ LoadAdapter reads a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors; LoRA on any of the
+ q/k/v/o and gate/up/down projections, any rank up to ServerLimits.max_lora_rank, lora_alpha and rsLoRA
+ scaling as peft defines them) from below the server's adapter directory. It returns once the adapter is
+ loaded; Generate requests may name it from then on. A refused adapter leaves nothing loaded.
+ Errors:
+   INVALID_ARGUMENT     a bad name; a path outside the adapter directory (../, absolute, a symlink leading
+                        out: refused unread), missing, or not a directory; files that are not a LoRA
+                        adapter the server implements (config missing or unparseable, another PEFT type,
+                        DoRA or other options, safetensors missing, corrupt or oversized, wrong tensor
+                        names or shapes, non-finite weights); target modules the model does not have; a
+                        rank above max_lora_rank. The message says which.
+   ALREADY_EXISTS       an adapter of that name is loaded.
+   FAILED_PRECONDITION  the server serves no adapters (--max-adapters 0) or has no adapter directory.
+*/
+        pub async fn load_adapter(
+            &mut self,
+            request: impl tonic::IntoRequest<super::LoadAdapterRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::LoadAdapterResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/engine.v1.EngineService/LoadAdapter",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("engine.v1.EngineService", "LoadAdapter"));
+            self.inner.unary(req, path, codec).await
+        }
+        /** UnloadAdapter forgets a loaded adapter. It is refused while Generate requests use it: nothing is cut short;
+ stop sending the name, let them finish (or Abort them), then unload.
+ Errors:
+   NOT_FOUND            no adapter of that name is loaded.
+   FAILED_PRECONDITION  running or waiting requests use it (the message says how many).
+*/
+        pub async fn unload_adapter(
+            &mut self,
+            request: impl tonic::IntoRequest<super::UnloadAdapterRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::UnloadAdapterResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/engine.v1.EngineService/UnloadAdapter",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("engine.v1.EngineService", "UnloadAdapter"));
+            self.inner.unary(req, path, codec).await
+        }
+        /** ListAdapters lists the loaded adapters with their use now (requests, slot residency).
+*/
+        pub async fn list_adapters(
+            &mut self,
+            request: impl tonic::IntoRequest<super::ListAdaptersRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::ListAdaptersResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/engine.v1.EngineService/ListAdapters",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("engine.v1.EngineService", "ListAdapters"));
+            self.inner.unary(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -552,6 +651,54 @@ pub mod engine_service_server {
             request: tonic::Request<super::SubscribeCacheEventsRequest>,
         ) -> std::result::Result<
             tonic::Response<Self::SubscribeCacheEventsStream>,
+            tonic::Status,
+        >;
+        /** LoRA adapter management. Admin operations: a server answers them only when its operator enabled them
+ (--enable-adapter-admin); where the server uses API keys, a call MUST also carry the admin key in the
+ `x-admin-key` metadata (besides the API key every call carries). Errors shared by the three:
+   PERMISSION_DENIED  adapter management is off on this server, or the admin key is missing or wrong.
+
+ LoadAdapter reads a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors; LoRA on any of the
+ q/k/v/o and gate/up/down projections, any rank up to ServerLimits.max_lora_rank, lora_alpha and rsLoRA
+ scaling as peft defines them) from below the server's adapter directory. It returns once the adapter is
+ loaded; Generate requests may name it from then on. A refused adapter leaves nothing loaded.
+ Errors:
+   INVALID_ARGUMENT     a bad name; a path outside the adapter directory (../, absolute, a symlink leading
+                        out: refused unread), missing, or not a directory; files that are not a LoRA
+                        adapter the server implements (config missing or unparseable, another PEFT type,
+                        DoRA or other options, safetensors missing, corrupt or oversized, wrong tensor
+                        names or shapes, non-finite weights); target modules the model does not have; a
+                        rank above max_lora_rank. The message says which.
+   ALREADY_EXISTS       an adapter of that name is loaded.
+   FAILED_PRECONDITION  the server serves no adapters (--max-adapters 0) or has no adapter directory.
+*/
+        async fn load_adapter(
+            &self,
+            request: tonic::Request<super::LoadAdapterRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::LoadAdapterResponse>,
+            tonic::Status,
+        >;
+        /** UnloadAdapter forgets a loaded adapter. It is refused while Generate requests use it: nothing is cut short;
+ stop sending the name, let them finish (or Abort them), then unload.
+ Errors:
+   NOT_FOUND            no adapter of that name is loaded.
+   FAILED_PRECONDITION  running or waiting requests use it (the message says how many).
+*/
+        async fn unload_adapter(
+            &self,
+            request: tonic::Request<super::UnloadAdapterRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::UnloadAdapterResponse>,
+            tonic::Status,
+        >;
+        /** ListAdapters lists the loaded adapters with their use now (requests, slot residency).
+*/
+        async fn list_adapters(
+            &self,
+            request: tonic::Request<super::ListAdaptersRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::ListAdaptersResponse>,
             tonic::Status,
         >;
     }
@@ -1084,6 +1231,141 @@ pub mod engine_service_server {
                                 max_encoding_message_size,
                             );
                         let res = grpc.server_streaming(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/engine.v1.EngineService/LoadAdapter" => {
+                    #[allow(non_camel_case_types)]
+                    struct LoadAdapterSvc<T: EngineService>(pub Arc<T>);
+                    impl<
+                        T: EngineService,
+                    > tonic::server::UnaryService<super::LoadAdapterRequest>
+                    for LoadAdapterSvc<T> {
+                        type Response = super::LoadAdapterResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::LoadAdapterRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as EngineService>::load_adapter(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = LoadAdapterSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/engine.v1.EngineService/UnloadAdapter" => {
+                    #[allow(non_camel_case_types)]
+                    struct UnloadAdapterSvc<T: EngineService>(pub Arc<T>);
+                    impl<
+                        T: EngineService,
+                    > tonic::server::UnaryService<super::UnloadAdapterRequest>
+                    for UnloadAdapterSvc<T> {
+                        type Response = super::UnloadAdapterResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::UnloadAdapterRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as EngineService>::unload_adapter(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = UnloadAdapterSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/engine.v1.EngineService/ListAdapters" => {
+                    #[allow(non_camel_case_types)]
+                    struct ListAdaptersSvc<T: EngineService>(pub Arc<T>);
+                    impl<
+                        T: EngineService,
+                    > tonic::server::UnaryService<super::ListAdaptersRequest>
+                    for ListAdaptersSvc<T> {
+                        type Response = super::ListAdaptersResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::ListAdaptersRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as EngineService>::list_adapters(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = ListAdaptersSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
                         Ok(res)
                     };
                     Box::pin(fut)
