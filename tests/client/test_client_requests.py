@@ -16,9 +16,9 @@ SUB_MESSAGES: dict[str, type[Message]] = {
     "output": generate_pb2.OutputOptions,
 }
 # The knobs outside the sampling / stopping / output sub-messages: input rendering, the constraint
-# (structured_output, tested in test_client_structured.py), cache isolation and priority.
+# (structured_output, tested in test_client_structured.py), cache isolation, priority and the LoRA adapter.
 TOP_LEVEL_KNOBS = {
-    "add_special_tokens", "add_generation_prompt", "structured_output", "cache_salt", "priority",
+    "add_special_tokens", "add_generation_prompt", "structured_output", "cache_salt", "priority", "adapter",
 }
 
 
@@ -78,6 +78,13 @@ def test_cache_salt_and_priority_are_sent_at_the_top_level() -> None:
         assert not req.HasField(name), name  # type: ignore[arg-type]
     unset = build()
     assert (unset.cache_salt, unset.priority) == ("", 0)
+
+
+def test_adapter_is_sent_at_the_top_level() -> None:
+    assert build(adapter="sql").adapter == "sql"
+    assert build().adapter == ""
+    with pytest.raises(TypeError, match="adapter"):
+        build(adapter=b"sql")
 
 
 @pytest.mark.parametrize(("knobs", "error"), [

@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+from .adapters import AdapterInfo
 from .aio import AsyncEngineClient, AsyncGenerateStream
 from .cache_events import (
     CacheBlocksRemoved,
@@ -62,6 +63,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_TARGET",
+    "AdapterInfo",
     "AsyncEngineClient",
     "AsyncGenerateStream",
     "AuthenticationError",

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from engine_proto.engine.v1 import embed_pb2, generate_pb2, info_pb2, tokenize_pb2
 
+from .adapters import adapter_info
 from .types import (
     Completion,
     Embedding,
@@ -165,6 +166,7 @@ def model_info(resp: info_pb2.GetModelInfoResponse) -> ModelInfo:
         num_parameters=resp.num_parameters,
         has_chat_template=resp.has_chat_template,
         device=resp.device,
+        adapters=tuple(adapter_info(x) for x in resp.adapters),
     )
 
 
@@ -196,5 +198,8 @@ def server_info(resp: info_pb2.GetServerInfoResponse) -> ServerInfo:
             max_receive_message_bytes=lim.max_receive_message_bytes,
             kv_block_size=lim.kv_block_size,
             max_num_batched_tokens=lim.max_num_batched_tokens,
+            max_adapters=lim.max_adapters,
+            max_lora_rank=lim.max_lora_rank,
         ),
+        adapters=tuple(resp.adapters),
     )

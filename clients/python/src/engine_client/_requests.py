@@ -102,6 +102,7 @@ def build_generate_request(
                            if params.structured_output is not None else None),
         cache_salt=params.cache_salt or "",
         priority=params.priority or 0,
+        adapter=params.adapter or "",
     )
     if token_ids is not None:
         if len(token_ids) == 0:

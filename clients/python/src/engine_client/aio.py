@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
-from engine_proto.engine.v1 import cache_pb2, info_pb2
+from engine_proto.engine.v1 import adapters_pb2, cache_pb2, info_pb2
 from engine_proto.engine.v1.engine_service_grpc import EngineServiceStub
 from grpclib.client import Channel, UnaryUnaryMethod
 from grpclib.const import Status
@@ -30,6 +30,7 @@ from ._requests import (
     build_tokenize_request,
 )
 from ._retry import Attempts
+from .adapters import AdapterInfo, adapter_info, load_request, unload_request
 from .cache_events import CacheEventBatch, cache_event_batch, subscribe_request
 from .options import DEFAULT_TARGET, ConnectionOptions, TLSConfig, with_overrides
 from .params import GenerateOptions, GenerateParams
@@ -116,6 +117,7 @@ class AsyncEngineClient:
                  tls: TLSConfig | None = None, timeout: float | None = None) -> None:
         self.options = with_overrides(target, api_key=api_key, tls=tls, timeout=timeout)
         self._metadata = self.options.metadata()
+        self._admin_metadata = self.options.admin_metadata()
         self._channel: Channel | None = None
         self._stub: EngineServiceStub | None = None
         self._health = build_health_messages()
@@ -148,14 +150,15 @@ class AsyncEngineClient:
         await self.close()
 
     async def _unary(self, method: UnaryUnaryMethod[_Req, _Resp], request: _Req,
-                     timeout: float | None) -> _Resp:
+                     timeout: float | None, *, metadata: tuple[tuple[str, str], ...] | None = None) -> _Resp:
         # Every unary RPC of the contract is safe to repeat, so UNAVAILABLE is retried with backoff.
         attempts = Attempts(self.options, timeout)
         while True:
             try:
                 # NOTE: grpclib's UnaryUnaryMethod.__call__ answers a call that ends OK without its reply with
                 # an `assert`, and ignores a second reply; both are INTERNAL, as in grpc-go
-                async with method.open(timeout=attempts.timeout(), metadata=self._metadata) as call:
+                async with method.open(timeout=attempts.timeout(),
+                                       metadata=self._metadata if metadata is None else metadata) as call:
                     await call.send_message(request, end=True)
                     response = await call.recv_message()
                     if response is not None and await call.recv_message() is not None:
@@ -274,6 +277,27 @@ class AsyncEngineClient:
         (DEADLINE_EXCEEDED past it: the flush may still happen, and repeating it is safe)."""
         response = await self._unary(self.stub.FlushCache, cache_pb2.FlushCacheRequest(), timeout)
         return response.num_blocks_flushed
+
+    # --- LoRA adapters (admin calls: engine_client/adapters.py) --------------------------------------
+
+    async def load_adapter(self, name: str, path: str, *, timeout: float | None = None) -> AdapterInfo:
+        """Load a PEFT LoRA adapter from ``path`` (relative to the server's adapter directory) as ``name``.
+        InvalidRequestError for a bad path, bad files or a rank the server does not take (nothing loaded),
+        PermissionDeniedError without admin rights."""
+        response = await self._unary(self.stub.LoadAdapter, load_request(name, path), timeout,
+                                     metadata=self._admin_metadata)
+        return adapter_info(response.adapter)
+
+    async def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        """Unload an adapter; NotFoundError for an unknown name, InvalidRequestError while requests use it."""
+        await self._unary(self.stub.UnloadAdapter, unload_request(name), timeout,
+                          metadata=self._admin_metadata)
+
+    async def list_adapters(self, *, timeout: float | None = None) -> list[AdapterInfo]:
+        """The loaded adapters, with the requests using each now."""
+        response = await self._unary(self.stub.ListAdapters, adapters_pb2.ListAdaptersRequest(), timeout,
+                                     metadata=self._admin_metadata)
+        return [adapter_info(x) for x in response.adapters]
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """grpc.health.v1 Check for ``service`` ("" = the whole server, or "engine.v1.EngineService")."""

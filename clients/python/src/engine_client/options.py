@@ -104,6 +104,8 @@ class ConnectionOptions:
     target: str = DEFAULT_TARGET
     tls: TLSConfig | None = None
     api_key: str | None = field(default=None, repr=False)
+    # The server's adapter admin key, sent (as x-admin-key) on the adapter admin calls only.
+    admin_key: str | None = field(default=None, repr=False)
     timeout: float | None = None
     # Seconds between HTTP/2 PINGs on an idle connection; None = off. NOTE: off by default because servers
     # with a ping policy (grpc-core's default minimum is 5 minutes) close connections that ping more often.
@@ -125,6 +127,8 @@ class ConnectionOptions:
             raise ValueError("message size limits must be > 0")
         if self.api_key is not None and (not self.api_key or any(c in self.api_key for c in "\r\n")):
             raise ValueError("api_key must be a non-empty single-line string")
+        if self.admin_key is not None and (not self.admin_key or any(c in self.admin_key for c in "\r\n")):
+            raise ValueError("admin_key must be a non-empty single-line string")
 
     def address(self) -> tuple[str, int] | str:
         """(host, port), or the socket path of a ``unix:`` target."""
@@ -147,6 +151,10 @@ class ConnectionOptions:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """Metadata sent on every call (the API key as ``authorization: Bearer <key>``)."""
         return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+
+    def admin_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Metadata of the adapter admin calls: every call's, and the admin key as ``x-admin-key``."""
+        return self.metadata() + ((("x-admin-key", self.admin_key),) if self.admin_key else ())
 
     def deadline(self, timeout: float | None) -> float | None:
         """The monotonic deadline of a call: a per-call timeout overrides the default one."""

@@ -55,6 +55,7 @@ class GenerateOptions(TypedDict, total=False):
     structured_output: StructuredOutput | None
     cache_salt: str | None
     priority: int | None
+    adapter: str | None
 
 
 def _check_uint(name: str, value: int | None, *, minimum: int = 0, maximum: int = _MAX_UINT32) -> None:
@@ -118,6 +119,8 @@ class GenerateParams:
     cache_salt: str | None = None
     # Lower is served first; equal priorities first come, first served (None: the server's default, 0).
     priority: int | None = None
+    # The LoRA adapter to generate with (a loaded adapter's name; None / "": the base model).
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         _check_uint("max_tokens", self.max_tokens, minimum=1)
@@ -149,6 +152,8 @@ class GenerateParams:
             object.__setattr__(self, "logit_bias", bias)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise TypeError(f"cache_salt must be a str, got {type(self.cache_salt).__name__}")
+        if self.adapter is not None and not isinstance(self.adapter, str):
+            raise TypeError(f"adapter must be a str, got {type(self.adapter).__name__}")
         priority = self.priority
         if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
                                      or not _MIN_INT32 <= priority <= _MAX_INT32):

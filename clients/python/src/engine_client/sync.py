@@ -8,7 +8,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
-from engine_proto.engine.v1 import cache_pb2, generate_pb2, info_pb2
+from engine_proto.engine.v1 import adapters_pb2, cache_pb2, generate_pb2, info_pb2
 from engine_proto.engine.v1.engine_service_pb2_grpc import EngineServiceStub
 from google.protobuf import message
 
@@ -25,6 +25,7 @@ from ._requests import (
 )
 from ._retry import Attempts
 from ._sync_transport import open_channel, translate
+from .adapters import AdapterInfo, adapter_info, load_request, unload_request
 from .cache_events import CacheEventBatch, cache_event_batch, subscribe_request
 from .errors import StatusCode, error_from_status
 from .options import DEFAULT_TARGET, ConnectionOptions, TLSConfig, with_overrides
@@ -115,6 +116,7 @@ class EngineClient:
                  tls: TLSConfig | None = None, timeout: float | None = None) -> None:
         self.options = with_overrides(target, api_key=api_key, tls=tls, timeout=timeout)
         self._metadata = self.options.metadata()
+        self._admin_metadata = self.options.admin_metadata()
         self.channel = open_channel(self.options)
         self.stub = EngineServiceStub(self.channel)
         self._health = build_health_messages()
@@ -134,12 +136,14 @@ class EngineClient:
                  tb: TracebackType | None) -> None:
         self.close()
 
-    def _unary(self, method: Callable[..., _Resp], request: _Req, timeout: float | None) -> _Resp:
+    def _unary(self, method: Callable[..., _Resp], request: _Req, timeout: float | None, *,
+               metadata: tuple[tuple[str, str], ...] | None = None) -> _Resp:
         # Every unary RPC of the contract is safe to repeat, so UNAVAILABLE is retried with backoff.
         attempts = Attempts(self.options, timeout)
         while True:
             try:
-                response = method(request, timeout=attempts.timeout(), metadata=self._metadata)
+                response = method(request, timeout=attempts.timeout(),
+                                  metadata=self._metadata if metadata is None else metadata)
             except grpc.RpcError as exc:
                 error = translate(exc)
                 delay = attempts.backoff(error)
@@ -256,6 +260,26 @@ class EngineClient:
         (DEADLINE_EXCEEDED past it: the flush may still happen, and repeating it is safe)."""
         response = self._unary(self.stub.FlushCache, cache_pb2.FlushCacheRequest(), timeout)
         return response.num_blocks_flushed
+
+    # --- LoRA adapters (admin calls: engine_client/adapters.py) --------------------------------------
+
+    def load_adapter(self, name: str, path: str, *, timeout: float | None = None) -> AdapterInfo:
+        """Load a PEFT LoRA adapter from ``path`` (relative to the server's adapter directory) as ``name``.
+        InvalidRequestError for a bad path, bad files or a rank the server does not take (nothing loaded),
+        PermissionDeniedError without admin rights."""
+        response = self._unary(self.stub.LoadAdapter, load_request(name, path), timeout,
+                               metadata=self._admin_metadata)
+        return adapter_info(response.adapter)
+
+    def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        """Unload an adapter; NotFoundError for an unknown name, InvalidRequestError while requests use it."""
+        self._unary(self.stub.UnloadAdapter, unload_request(name), timeout, metadata=self._admin_metadata)
+
+    def list_adapters(self, *, timeout: float | None = None) -> list[AdapterInfo]:
+        """The loaded adapters, with the requests using each now."""
+        response = self._unary(self.stub.ListAdapters, adapters_pb2.ListAdaptersRequest(), timeout,
+                               metadata=self._admin_metadata)
+        return [adapter_info(x) for x in response.adapters]
 
     def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """grpc.health.v1 Check for ``service`` ("" = the whole server, or "engine.v1.EngineService")."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from .adapters import AdapterInfo
+
 __all__ = [
     "Completion",
     "EmbedResult",
@@ -217,6 +219,7 @@ class ModelInfo:
     num_parameters: int
     has_chat_template: bool
     device: str
+    adapters: tuple[AdapterInfo, ...] = ()  # the LoRA adapters loaded now
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +246,8 @@ class ServerLimits:
     max_receive_message_bytes: int
     kv_block_size: int
     max_num_batched_tokens: int
+    max_adapters: int = 0  # LoRA adapter slots (0: the server serves no adapters)
+    max_lora_rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,3 +260,4 @@ class ServerInfo:
     state: EngineState
     load: Load
     limits: ServerLimits
+    adapters: tuple[str, ...] = ()  # the names of the LoRA adapters loaded now
