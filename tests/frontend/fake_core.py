@@ -189,6 +189,10 @@ class FakeCore:
             vectors = [[x / math.sqrt(sum(v * v for v in vec)) for x in vec] for vec in vectors]
         return vectors
 
+    def flush_cache(self) -> int:
+        """No prefix cache here: nothing to drop."""
+        return 0
+
 
 def fake_config(model_dir: object, *, max_num_seqs: int = 8, max_waiting: int = 16) -> EngineConfig:
     return EngineConfig(model=str(model_dir), max_num_seqs=max_num_seqs, max_waiting=max_waiting)
