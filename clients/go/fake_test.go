@@ -30,6 +30,7 @@ type fakeEngine struct {
 	aborts        map[string]chan struct{} // in-flight request ids
 	started       chan string              // ids of requests registered (and abortable)
 	cancelled     chan string              // ids whose call context ended before they finished
+	adapters      []string                 // names loaded through LoadAdapter (adapters_test.go)
 }
 
 func newFakeEngine() *fakeEngine {
