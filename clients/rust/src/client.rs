@@ -4,10 +4,11 @@ use std::time::Duration;
 
 use engine_proto::engine::v1::engine_service_client::EngineServiceClient;
 use engine_proto::engine::v1::{
-    AbortRequest, DetokenizeRequest, EmbedRequest, EmbedResponse, FlushCacheRequest, GenerateRequest,
-    GetLoadRequest, GetLoadResponse, GetModelInfoRequest, GetModelInfoResponse, GetServerInfoRequest,
-    GetServerInfoResponse, SubscribeCacheEventsRequest, SubscribeCacheEventsResponse, TokenizeRequest,
-    TokenizeResponse,
+    AbortRequest, AdapterInfo, DetokenizeRequest, EmbedRequest, EmbedResponse, FlushCacheRequest,
+    GenerateRequest, GetLoadRequest, GetLoadResponse, GetModelInfoRequest, GetModelInfoResponse,
+    GetServerInfoRequest, GetServerInfoResponse, ListAdaptersRequest, LoadAdapterRequest,
+    SubscribeCacheEventsRequest, SubscribeCacheEventsResponse, TokenizeRequest, TokenizeResponse,
+    UnloadAdapterRequest,
 };
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
@@ -142,6 +143,31 @@ impl Client {
         request: impl IntoRequest<SubscribeCacheEventsRequest>,
     ) -> Result<tonic::Streaming<SubscribeCacheEventsResponse>> {
         Ok(self.engine.clone().subscribe_cache_events(request).await?.into_inner())
+    }
+
+    /// Loads a PEFT LoRA adapter (`LoadAdapterRequest { name, path }`, the path relative to the server's
+    /// `--adapter-dir`) and describes it. An admin call: PERMISSION_DENIED unless the server enables adapter
+    /// management (and the request carries its admin key: [`with_admin_key`](crate::with_admin_key));
+    /// INVALID_ARGUMENT for a path outside the adapter directory, files the server refuses or a rank above its
+    /// maximum (nothing is loaded); ALREADY_EXISTS for a loaded name.
+    pub async fn load_adapter(&self, request: impl IntoRequest<LoadAdapterRequest>) -> Result<AdapterInfo> {
+        let response = self.engine.clone().load_adapter(self.unary(request)).await?;
+        Ok(response.into_inner().adapter.unwrap_or_default())
+    }
+
+    /// Unloads an adapter: NOT_FOUND for an unknown name, FAILED_PRECONDITION while requests use it.
+    pub async fn unload_adapter(&self, request: impl IntoRequest<UnloadAdapterRequest>) -> Result<()> {
+        self.engine.clone().unload_adapter(self.unary(request)).await?;
+        Ok(())
+    }
+
+    /// The loaded adapters, with the requests using each now (an admin call).
+    pub async fn list_adapters(
+        &self,
+        request: impl IntoRequest<ListAdaptersRequest>,
+    ) -> Result<Vec<AdapterInfo>> {
+        let response = self.engine.clone().list_adapters(self.unary(request)).await?;
+        Ok(response.into_inner().adapters)
     }
 
     /// `grpc.health.v1` status of `service`: `""` for the whole server, or [`ENGINE_SERVICE_NAME`].

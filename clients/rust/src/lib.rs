@@ -25,6 +25,7 @@
 //! The crate's version follows the contract: `0.x` of this crate speaks `engine.v1`.
 #![warn(missing_docs)]
 
+mod adapters;
 mod auth;
 mod builder;
 mod client;
@@ -32,6 +33,7 @@ mod error;
 pub mod request;
 mod stream;
 
+pub use adapters::{with_admin_key, ADMIN_KEY_METADATA};
 pub use auth::ApiKeyInterceptor;
 pub use builder::{ClientBuilder, Keepalive, TlsConfig, DEFAULT_MAX_MESSAGE_SIZE};
 pub use client::{AuthChannel, Client, ENGINE_SERVICE_NAME};

@@ -224,6 +224,13 @@ impl GenerateRequestBuilder {
         self
     }
 
+    /// Generates with a loaded LoRA adapter (its name); `""` is the base model (the default). An unknown
+    /// name is INVALID_ARGUMENT naming `adapter`.
+    pub fn adapter(mut self, name: impl Into<String>) -> Self {
+        self.request.adapter = name.into();
+        self
+    }
+
     /// Constrains every completion to a language (see [structured output](crate::request#structured-output));
     /// the shortcuts below set each kind. Replaces any constraint set before.
     pub fn structured_output(mut self, kind: structured_output::Kind) -> Self {
@@ -337,6 +344,14 @@ mod tests {
         assert_eq!((req.sampling, req.stopping, req.output), (None, None, None));
         let unset = text("x").build();
         assert_eq!((unset.cache_salt.as_str(), unset.priority), ("", 0));
+    }
+
+    #[test]
+    fn adapter_is_a_top_level_field() {
+        let req = text("x").adapter("sql").build();
+        assert_eq!(req.adapter, "sql");
+        assert_eq!((req.sampling, req.stopping, req.output), (None, None, None));
+        assert_eq!(text("x").build().adapter, "");
     }
 
     #[test]
