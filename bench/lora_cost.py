@@ -5,8 +5,8 @@ One LLMEngine in this process (the 30M benchmark Llama by default, float32, one 
 rank-16 adapters on every projection (built with peft, a dev dependency), loaded at start:
 
 1. decode step: 64 sequences spread over the 8 adapters vs the same 64 on the base model (target <= 1.3x);
-   the sequences are brought to decoding first, then `--steps` decode steps are timed, the modes alternating
-   over `--rounds` rounds (median of each round's per-step median);
+   the sequences are brought to decoding first (that prefill step is timed too), then `--steps` decode steps
+   are timed, the modes alternating over `--rounds` rounds (median of each round's per-step median);
 2. throughput: the 8 adapters served together (64 sequences in one batch) vs one adapter at a time with its
    weights merged (8 sequences a batch, at the base model's step time: a merged model costs what the base
    does; merging itself not counted, which favours that side) (target >= 3x);
@@ -40,14 +40,17 @@ from lora_testutil import ATTENTION, MLP, AdapterSpec, build_adapter
 PROMPT_LEN = 32
 
 
-def decode_step_times(engine: LLMEngine, adapters: list[str], *, tag: str, steps: int) -> list[float]:
-    """Per-step CPU seconds of `steps` decode steps of len(adapters) sequences (adapter i for sequence i)."""
+def step_times(engine: LLMEngine, adapters: list[str], *, tag: str, steps: int) -> tuple[float, list[float]]:
+    """CPU seconds of the prefill step (every prompt at once) and of each of `steps` decode steps of
+    len(adapters) sequences (adapter i for sequence i)."""
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     spread = min(8000, engine.model_info.vocab_size - 16)
     for i, adapter in enumerate(adapters):
         prompt = tuple(16 + (i * 7919 + k * 131) % spread for k in range(PROMPT_LEN))
         engine.add_request(EngineRequest(f"{tag}-{i}", prompt, params, adapter=adapter))
+    start = time.thread_time()
     engine.step()  # every prefill (64 x 32 tokens fits the step's budget)
+    prefill = time.thread_time() - start
     times = []
     for _ in range(steps):
         start = time.thread_time()
@@ -56,7 +59,7 @@ def decode_step_times(engine: LLMEngine, adapters: list[str], *, tag: str, steps
     engine.abort([f"{tag}-{i}" for i in range(len(adapters))])
     while engine.has_unfinished():
         engine.step()
-    return times
+    return prefill, times
 
 
 def main() -> None:
@@ -79,17 +82,21 @@ def main() -> None:
         config = EngineConfig(model=str(model_dir), max_num_seqs=args.seqs, max_num_batched_tokens=4096,
                               num_kv_blocks=args.seqs * 4 + 16, max_adapters=args.adapters,
                               max_lora_rank=args.rank, adapters=tuple((n, str(root / n)) for n in names),
-                              adapter_dir=str(root))
+                              adapter_dir=str(root),
+                              enable_prefix_caching=False)  # every round's prefill computes its prompts
         engine = LLMEngine(config)
         spread = [names[i % len(names)] for i in range(args.seqs)]
         per_adapter = args.seqs // len(names)
-        base, lora, small = [], [], []
+        base, lora, small, base_prefill, lora_prefill = [], [], [], [], []
         for r in range(args.rounds):
-            base.append(statistics.median(decode_step_times(engine, [""] * args.seqs, tag=f"b{r}",
-                                                            steps=args.steps)))
-            lora.append(statistics.median(decode_step_times(engine, spread, tag=f"l{r}", steps=args.steps)))
-            small.append(statistics.median(decode_step_times(engine, [""] * per_adapter, tag=f"s{r}",
-                                                             steps=args.steps)))
+            prefill, times = step_times(engine, [""] * args.seqs, tag=f"b{r}", steps=args.steps)
+            base.append(statistics.median(times))
+            base_prefill.append(prefill)
+            prefill, times = step_times(engine, spread, tag=f"l{r}", steps=args.steps)
+            lora.append(statistics.median(times))
+            lora_prefill.append(prefill)
+            small.append(statistics.median(step_times(engine, [""] * per_adapter, tag=f"s{r}",
+                                                      steps=args.steps)[1]))
         loads = []
         for i in range(5):
             start = time.perf_counter()
@@ -106,6 +113,10 @@ def main() -> None:
     print(f"decode step, {args.adapters} adapters:        {t_lora * 1e3:7.2f} ms   (rounds: "
           f"{', '.join(f'{x * 1e3:.2f}' for x in lora)})")
     print(f"  ratio: {t_lora / t_base:.2f}x (target <= 1.3x)")
+    p_base, p_lora = statistics.median(base_prefill), statistics.median(lora_prefill)
+    print(f"prefill step ({args.seqs} x {PROMPT_LEN} tokens): base {p_base * 1e3:.1f} ms, "
+          f"{args.adapters} adapters "
+          f"{p_lora * 1e3:.1f} ms: {p_lora / p_base:.2f}x")
     print(f"decode step, base, {per_adapter} seqs:     {t_small * 1e3:7.2f} ms")
     print(f"throughput together: {together:8.0f} tok/CPU-s; one merged adapter at a time: "
           f"{one_at_a_time:8.0f} tok/CPU-s; ratio {together / one_at_a_time:.2f}x (target >= 3x)")
