@@ -208,3 +208,28 @@ def test_slot_pressure_with_loads_and_unloads_never_mixes_adapters(model_dir: Pa
     # (the pressure this test is about happened)
     assert num_refused > 0
     assert num_reloads > 0
+
+
+def test_adapters_under_preemption_chunked_prefill_and_n_greater_than_one(model_dir: Path,
+                                                                          adapter_root: Path) -> None:
+    """A small KV cache (preemption: recomputed with the request's pinned slot), a small token budget
+    (prompts prefilled in chunks, several steps each) and n = 2 (siblings forked with their parent's slot):
+    every completion's greedy tokens are its solo tokens, and nothing stays pinned or allocated."""
+    names = ["", *(spec.name for spec in SPECS)]
+    reference = LLMEngine(engine_config(model_dir, num_kv_blocks=256, max_adapters=len(SPECS),
+                                        adapters=tuple((s.name, str(adapter_root / s.name)) for s in SPECS)))
+    cases = [(f"p{i}", _prompt(500 + i, 20 + 11 * (i % 4)), names[i % len(names)]) for i in range(16)]
+    solo = {rid: _solo(reference, prompt, adapter) for rid, prompt, adapter in cases}
+    engine = LLMEngine(engine_config(model_dir, num_kv_blocks=24, max_num_batched_tokens=48, max_num_seqs=16,
+                                     max_adapters=len(SPECS),
+                                     adapters=tuple((s.name, str(adapter_root / s.name)) for s in SPECS)))
+    free_at_start = engine.stats().num_free_blocks
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+    out = run(engine, [_request(rid, prompt, adapter, params) for rid, prompt, adapter in cases], per_step=2)
+    for rid, _, adapter in cases:
+        assert out.tokens[(rid, 0)] == solo[rid], f"{rid} ({adapter or 'base'})"
+        assert out.tokens[(rid, 1)] == solo[rid], f"{rid} ({adapter or 'base'}), completion 1"
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_free_blocks == free_at_start
+    assert all(info.num_requests == 0 for info in engine.list_adapters())
