@@ -112,7 +112,8 @@ def start_ours(model_dir: Path, dtype: str, args: argparse.Namespace, workdir: P
     script = Path(sys.executable).parent / "engine-server"
     launcher = [str(script)] if script.exists() else [sys.executable, "-m", "engine_server"]
     cmd = [*launcher, "--model", str(model_dir), "--dtype", dtype, "--port", "0", "--ready-file", str(ready),
-           "--log-level", "warning", "--max-num-seqs", "256", "--num-threads", str(args.threads)]
+           "--log-level", "warning", "--max-num-seqs", "256", "--num-threads", str(args.threads),
+           "--kv-cache-memory", f"{args.kv_cache_gib}GiB"]
     return Served("engine-server (gRPC)", cmd, dict(os.environ), workdir / f"engine-{dtype}.log", ready)
 
 
@@ -121,7 +122,7 @@ def start_vllm(model_dir: Path, dtype: str, args: argparse.Namespace, workdir: P
     preload = [str(TCMALLOC)] if TCMALLOC.exists() else []
     preload.append(str(vpy.parent.parent / "lib" / "libiomp5.so"))
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpus(args.threads, "-"),
-               OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
+               OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
                LD_PRELOAD=":".join(preload), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_LOGGING_LEVEL="WARNING")
     cmd = [str(vpy), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", dtype,
@@ -132,9 +133,9 @@ def start_vllm(model_dir: Path, dtype: str, args: argparse.Namespace, workdir: P
 
 def render(rows: list[dict[str, Any]], args: argparse.Namespace, info: dict[str, Any]) -> str:
     out = [f"`bench/vllm_peer_served.py {' '.join(sys.argv[1:])}`, {info['date']}, {info['cpu']} "
-           f"({info['cpus']} CPUs), both servers with {args.threads} threads; prompts of {args.prompt} token "
-           f"ids, {args.output} tokens out, {args.waves} waves of requests per run, {args.rounds} rounds "
-           "(medians; the load generator shares the cores).", "",
+           f"({info['cpus']} CPUs), both servers with {args.threads} threads and {args.kv_cache_gib} GiB "
+           f"of KV cache; prompts of {args.prompt} token ids, {args.output} tokens out, {args.waves} waves "
+           f"of requests per run, {args.rounds} rounds (medians; the load generator shares the cores).", "",
            "| model | dtype | streams | tok/s, engine-server / vLLM | ratio | TTFT p50 ms "
            "| TTFT p99 ms (ratio) | server CPU us/token | load avg |",
            "|---|---|---:|---|---:|---|---|---|---|"]
@@ -172,6 +173,7 @@ def main() -> int:
     parser.add_argument("--output", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vllm-port", type=int, default=18123)
+    parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache of each server (the same)")
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
     model_dir = cached_model_dir(args.model)
