@@ -16,7 +16,7 @@ time of the same requests / requests); prompts "short" (16-128 random token ids)
 prefill-heavy). The prompts differ every round (no prefix-cache hits across rounds).
 
 Usage: vllm_peer.py [--models tiny-llama-hd32,bench-llama-30m] [--dtypes float32,bfloat16] [--rounds 3]
-                    [--workloads burst/64/short,...] [--engine-modes 2t-iomp,1t] [--vllm-modes compiled/2t]
+                    [--workloads burst/64/short,...] [--engine-modes 2t,1t] [--vllm-modes compiled/2t]
                     [--quick] [--markdown BENCHMARKS.md]
        vllm_peer.py --modes-study ...     every mode's rounds, for choosing modes
        vllm_peer.py --profile [--models bench-llama-30m] [--profile-prompts short|long]
@@ -319,7 +319,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output", type=int, default=64, help="new tokens per request (burst)")
     parser.add_argument("--gap-ms", type=float, default=None, help="staggered inter-arrival gap")
-    parser.add_argument("--engine-modes", default="2t-iomp,1t",
+    parser.add_argument("--engine-modes", default="2t,1t",
                         help="our engine's modes, one worker each, every round (the table takes the "
                              "faster): Nt = N torch threads; -iomp: vLLM's OpenMP setting (libiomp5 "
                              "preloaded, threads pinned to CPUs 0..N-1); -passive: OMP_WAIT_POLICY=PASSIVE; "
