@@ -16,6 +16,7 @@ all off. A packed weight's original is freed unless another parameter shares its
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import types
@@ -71,7 +72,7 @@ class SharedInput:
 
     def __init__(self, packed: Callable[[torch.Tensor], torch.Tensor], widths: Sequence[int]) -> None:
         self._packed = packed
-        ends = [sum(widths[:i + 1]) for i in range(len(widths))]
+        ends = list(itertools.accumulate(widths))
         self._bounds = [(end - width, end) for end, width in zip(ends, widths, strict=True)]
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
@@ -114,9 +115,8 @@ def pack_linears(model: torch.nn.Module, kernels: CpuKernels | None) -> dict[str
 
 def _children(module: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Linear]:
     """The module's linears of these names, or [] where one is missing or not a plain linear."""
-    linears = [getattr(module, name, None) for name in names]
-    return [x for x in linears if isinstance(x, torch.nn.Linear)] if all(
-        isinstance(x, torch.nn.Linear) for x in linears) else []
+    linears = [x for name in names if isinstance(x := getattr(module, name, None), torch.nn.Linear)]
+    return linears if len(linears) == len(names) else []
 
 
 def _qkv(module: torch.nn.Module) -> list[torch.nn.Linear]:
